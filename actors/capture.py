@@ -1,0 +1,66 @@
+"""Observation-window query capture, architecture-agnostic.
+
+SnapKV needs the post-RoPE queries of the last ``window`` prompt tokens at every
+full-attention layer. Rather than re-deriving them per architecture, kvsnap
+registers its own attention implementation with transformers ("kvsnap"): plain
+SDPA, except that while a :class:`WindowCapture` is active it keeps the last
+``window`` query rows of the layers it was asked for. Prefill may run in chunks;
+the capture keeps a rolling tail across them. Eager attention for the whole
+prompt is never needed.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+ATTN_IMPLEMENTATION = "kvsnap"
+
+_active: contextvars.ContextVar[WindowCapture | None] = contextvars.ContextVar("kvsnap_capture", default=None)
+
+
+class WindowCapture:
+    """Context manager collecting the last ``window`` queries ([B, H, w, D]) of ``layers``."""
+
+    __slots__ = ("window", "layers", "queries", "scales", "_token")
+
+    def __init__(self, window: int, layers: set[int]):
+        self.window = window
+        self.layers = layers
+        self.queries: dict[int, torch.Tensor] = {}
+        self.scales: dict[int, float] = {}
+        self._token = None
+
+    def add(self, layer_idx: int, query: torch.Tensor, scale: float | None) -> None:
+        tail = query[:, :, -self.window :, :].detach()
+        previous = self.queries.get(layer_idx)
+        if previous is not None and tail.shape[-2] < self.window:
+            tail = torch.cat([previous, tail], dim=-2)[:, :, -self.window :, :]
+        self.queries[layer_idx] = tail
+        if scale is not None:
+            self.scales[layer_idx] = float(scale)
+
+    def __enter__(self) -> WindowCapture:
+        self._token = _active.set(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _active.reset(self._token)
+
+
+def _capturing_sdpa(module, query, key, value, attention_mask, **kwargs):
+    capture = _active.get()
+    if capture is not None and getattr(module, "layer_idx", None) in capture.layers:
+        capture.add(module.layer_idx, query, kwargs.get("scaling"))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def register() -> str:
+    """Register the capturing attention (idempotent); returns its implementation name."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _capturing_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    return ATTN_IMPLEMENTATION

@@ -1,0 +1,239 @@
+"""The worker engine: prefill, compress and decode on a session's compressed KV.
+
+Usable in-process, without Ray or Redis:
+
+    engine = Engine(load_model("tiny-llama"))
+    session = engine.new_session(make_policy("snapkv", budget=64, window=8))
+    result = engine.turn(session, tokens, SamplingParams(max_new_tokens=16))
+
+A turn reads like a recipe: prefill the new tokens onto the cache (true RoPE
+positions), compress the full-attention layers with the session's policy, then
+decode, streaming token ids. Generated tokens stay in the transcript for the next turn.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kvsnap.errors import InvalidArgument
+from kvsnap.policies import Policy, make_policy
+
+from .cache import CompressedLayer, full_layer_indices, new_session_cache
+from .capture import WindowCapture
+from .models import LoadedModel
+from .sampling import SamplingParams, sample_next
+from .session import Session, TurnReport
+
+
+@dataclass(slots=True)
+class TurnResult:
+    tokens: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) | "length"
+    report: TurnReport
+
+
+@dataclass(slots=True)
+class TurnStream:
+    """Generated token ids as they come; ``finish_reason`` and ``report`` are set once it ends."""
+
+    tokens: Iterator[int] | None = None
+    finish_reason: str = "length"
+    report: TurnReport | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        return self.tokens
+
+    def close(self) -> None:
+        """Stop generating (the client went away); the session stays consistent."""
+        self.tokens.close()
+
+
+@dataclass(slots=True)
+class _Timer:
+    prefill_s: float = 0.0
+    compress_s: float = 0.0
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, *, prefill_chunk: int = 1024):
+        if prefill_chunk < 1:
+            raise InvalidArgument(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.device = loaded.device
+        self.prefill_chunk = prefill_chunk
+        self.vocab_size = loaded.model.config.get_text_config().vocab_size
+        self.max_context = loaded.model.config.get_text_config().max_position_embeddings
+        self.eos_ids = loaded.eos_token_ids
+
+    # -- sessions ------------------------------------------------------------------------
+    def new_session(
+        self, policy: Policy | str = "snapkv", recompress: str = "per_turn", session_id: str | None = None
+    ) -> Session:
+        policy = make_policy(policy) if isinstance(policy, str) else policy
+        cache = new_session_cache(self.model.config)
+        return Session(session_id or uuid.uuid4().hex, policy, recompress, self.loaded.fingerprint, cache)
+
+    def encode(self, text: str, first: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=first))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # -- one turn ------------------------------------------------------------------------
+    def turn(self, session: Session, tokens: list[int], sampling: SamplingParams) -> TurnResult:
+        """Run a whole turn and return its tokens, text and report."""
+        stream = self.stream(session, tokens, sampling)
+        generated = list(stream)
+        return TurnResult(generated, self.decode(generated), stream.finish_reason, stream.report)
+
+    def stream(self, session: Session, tokens: list[int], sampling: SamplingParams) -> TurnStream:
+        """Prefill ``tokens`` (after any pending ones), compress, then yield generated token ids.
+
+        Closing the iterator early (client gone) stops generation; the session stays
+        consistent: every yielded token is in the transcript.
+        """
+        self._validate(session, tokens, sampling)  # before any model work
+        out = TurnStream()
+        out.tokens = self._stream(session, list(tokens), sampling, out)
+        return out
+
+    def _stream(self, session: Session, tokens: list[int], sampling: SamplingParams, out: TurnStream):
+        started = time.perf_counter()
+        timer = _Timer()
+        prompt_tokens = len(session.pending) + len(tokens)
+        logits = self.prefill(session, tokens, timer)
+        generated = 0
+        ttft = 0.0
+        decode_started = time.perf_counter()
+        try:
+            for token in self.decode_tokens(session, logits, sampling, out):
+                generated += 1
+                if generated == 1:
+                    ttft = time.perf_counter() - started
+                yield token
+        finally:
+            session.turns += 1
+            out.report = TurnReport(
+                prompt_tokens=prompt_tokens,
+                generated_tokens=generated,
+                logical_len=session.logical_len,
+                kept_len=session.kept_len,
+                kv_bytes=session.kv_bytes,
+                full_kv_bytes=session.full_kv_bytes,
+                prefill_s=timer.prefill_s,
+                compress_s=timer.compress_s,
+                decode_s=time.perf_counter() - decode_started,
+                ttft_s=ttft,
+            )
+            session.reports.append(out.report)
+
+    # -- the steps -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, session: Session, tokens: list[int], timer: _Timer | None = None) -> torch.Tensor:
+        """Prefill pending + ``tokens`` onto the cache, then compress. Returns next-token logits [V]."""
+        timer = timer or _Timer()
+        first_turn = session.logical_len == 0
+        new = session.pending + list(tokens)
+        session.transcript.extend(tokens)
+        window = min(session.policy.window, len(new))
+        capture_layers = set()
+        if session.policy.compresses_anything and (first_turn or session.recompress == "per_turn"):
+            capture_layers = set(full_layer_indices(session.cache))
+
+        t0 = time.perf_counter()
+        with WindowCapture(window, capture_layers) as captured:
+            logits = self._forward(session, new)
+        timer.prefill_s += time.perf_counter() - t0
+
+        if capture_layers:
+            t0 = time.perf_counter()
+            self._compress(session, captured, window)
+            timer.compress_s += time.perf_counter() - t0
+        return logits
+
+    def _forward(self, session: Session, new: list[int]) -> torch.Tensor:
+        """Run ``new`` through the model in chunks on the session cache; logits of the last position."""
+        ids = torch.tensor([new], dtype=torch.long, device=self.device)
+        logits = None
+        for start in range(0, len(new), self.prefill_chunk):
+            chunk = ids[:, start : start + self.prefill_chunk]
+            positions = torch.arange(session.logical_len, session.logical_len + chunk.shape[1], device=self.device)
+            out = self.model(
+                input_ids=chunk,
+                position_ids=positions.unsqueeze(0),
+                cache=session.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            session.logical_len += chunk.shape[1]
+            logits = out.logits[0, -1]
+        return logits.float()
+
+    def _compress(self, session: Session, captured: WindowCapture, window: int) -> None:
+        """Apply the session policy to every full-attention layer (the window = this turn's tail)."""
+        for idx in captured.layers:
+            layer: CompressedLayer = session.cache.layers[idx]
+            positions = session.policy.select(
+                captured.queries[idx], layer.keys, captured.scales.get(idx), logical_len=session.logical_len
+            )
+            if positions.shape[-1] < layer.kept_len:
+                layer.keep(positions)
+
+    def decode_tokens(
+        self, session: Session, logits: torch.Tensor, sampling: SamplingParams, out: TurnStream
+    ) -> Iterator[int]:
+        """Sample from ``logits``, feed each token back, until EOS, a stop string or the token limit."""
+        generator = sampling.generator()
+        generated: list[int] = []
+        out.finish_reason = "length"
+        while True:
+            token = sample_next(logits, sampling, generator)
+            if token in self.eos_ids:  # EOS ends the answer and is not kept in the transcript
+                out.finish_reason = "stop"
+                return
+            session.transcript.append(token)
+            generated.append(token)
+            yield token
+            if sampling.stop and any(s in self.decode(generated) for s in sampling.stop):
+                out.finish_reason = "stop"
+                return
+            if len(generated) >= sampling.max_new_tokens:
+                return
+            if session.logical_len + len(session.pending) >= self.max_context:
+                return
+            with torch.inference_mode():
+                logits = self._forward(session, session.pending)
+
+    # -- checks and references -----------------------------------------------------------
+    def _validate(self, session: Session, tokens: list[int], sampling: SamplingParams) -> None:
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidArgument("sampling must be a SamplingParams")
+        if session.model_fingerprint != self.loaded.fingerprint:
+            raise InvalidArgument("session was built by a different model")
+        if not tokens and not session.pending:
+            raise InvalidArgument("prompt is empty")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in tokens):
+            raise InvalidArgument(f"token ids must be integers in [0, {self.vocab_size})")
+        total = len(session.transcript) + len(tokens)
+        if total + 1 > self.max_context:
+            raise InvalidArgument(f"session would reach {total} tokens; the model's context is {self.max_context}")
+        policy = session.policy
+        if session.logical_len == 0 and policy.compresses_anything and policy.window > len(tokens):
+            raise InvalidArgument(
+                f"observation window ({policy.window}) is longer than the prompt ({len(tokens)} "
+                "tokens); lower `window` or send a longer prompt"
+            )
+
+    @torch.inference_mode()
+    def reference_logits(self, tokens: list[int]) -> torch.Tensor:
+        """Next-token logits of one uncached forward pass over ``tokens`` (the exactness oracle)."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        return self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()

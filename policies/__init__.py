@@ -1,0 +1,33 @@
+"""KV compression policies, registered by name.
+
+>>> make_policy("snapkv", budget=256, window=16)
+SnapKV(window=16, budget=256, ratio=None, kernel=7, pooling='max', gqa_reduce='mean')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvsnap.errors import InvalidArgument
+
+from .base import Policy, gather_rows
+from .full import FullKV
+from .snapkv import SnapKV
+from .streaming import StreamingLLM
+
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (FullKV, SnapKV, StreamingLLM)}
+
+
+def make_policy(name: str, **params) -> Policy:
+    """Build a registered policy; unknown names or parameters raise InvalidArgument listing the valid ones."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise InvalidArgument(f"unknown policy {name!r}; valid policies: {', '.join(sorted(POLICIES))}")
+    valid = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(params) - valid)
+    if unknown:
+        raise InvalidArgument(f"policy {name!r} has no parameter(s) {unknown}; valid: {sorted(valid)}")
+    return cls(**params)
+
+
+__all__ = ["POLICIES", "FullKV", "Policy", "SnapKV", "StreamingLLM", "gather_rows", "make_policy"]

@@ -1,0 +1,102 @@
+"""The base class every KV compression policy derives from.
+
+A policy is a small frozen dataclass with one method, ``score``: given the
+observation-window queries and the keys of one layer, rate every prefix position
+per KV head. The base class owns everything else: when to compress at all, how
+many rows to keep, top-k, always keeping the window, and gathering the rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvsnap.errors import InvalidArgument
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """Keep ``budget`` prefix rows (or ``ratio`` of the prefix) plus the last ``window`` rows.
+
+    Subclasses implement :meth:`score`. ``window`` is also how many trailing
+    prompt tokens the engine records queries for (the observation window).
+    """
+
+    name = "base"
+
+    window: int = 32
+    budget: int = 512
+    ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("window", self.window, minimum=1)
+        _check_int("budget", self.budget, minimum=1)
+        if self.ratio is not None and not (isinstance(self.ratio, float | int) and 0.0 < self.ratio < 1.0):
+            raise InvalidArgument(f"ratio must be a number in (0, 1), got {self.ratio!r}")
+
+    # -- what subclasses provide -------------------------------------------------------
+    def score(self, window_queries: torch.Tensor, keys: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Rate prefix positions. window_queries: [B, H, w, D]; keys: [B, H_kv, L, D] -> [B, H_kv, L - w]."""
+        raise NotImplementedError
+
+    # -- shared machinery --------------------------------------------------------------
+    @property
+    def compresses_anything(self) -> bool:
+        """False for policies that never drop a row (``full``): the engine skips query capture."""
+        return True
+
+    def prefix_budget(self, prefix_len: int) -> int:
+        """How many prefix rows to keep out of ``prefix_len``."""
+        if self.ratio is not None:
+            return max(1, math.ceil(self.ratio * prefix_len))
+        return self.budget
+
+    def compresses(self, length: int, window: int | None = None) -> bool:
+        """True when a layer of ``length`` rows would lose rows (prompts <= budget + window are left alone)."""
+        w = self.window if window is None else window
+        return self.compresses_anything and length - w > self.prefix_budget(length - w)
+
+    def select(
+        self,
+        window_queries: torch.Tensor,
+        keys: torch.Tensor,
+        scale: float | None = None,
+        logical_len: int | None = None,
+    ) -> torch.Tensor:
+        """Rows to keep, sorted ascending, window included: [B, H_kv, k].
+
+        The window is the last ``window_queries.shape[-2]`` rows of ``keys``. ``logical_len``
+        (tokens seen, when ``keys`` is already a compressed subset) sizes a ``ratio`` budget.
+        """
+        batch, kv_heads, length, _ = keys.shape
+        w = window_queries.shape[-2]
+        if w > length:
+            raise InvalidArgument(f"observation window ({w}) is longer than the sequence ({length})")
+        k = min(self.prefix_budget((logical_len or length) - w), length - w)
+        if not self.compresses_anything or k >= length - w:
+            return torch.arange(length, device=keys.device).expand(batch, kv_heads, length)
+        scores = self.score(window_queries, keys, scale)  # [B, H_kv, L - w]
+        prefix = scores.topk(k, dim=-1).indices
+        tail = torch.arange(length - w, length, device=keys.device).expand(batch, kv_heads, w)
+        return torch.cat([prefix, tail], dim=-1).sort(dim=-1).values
+
+    def fingerprint(self) -> str:
+        """A stable string naming the policy and every parameter (stored with a session)."""
+        params = ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        return f"{self.name}({params})"
+
+
+def gather_rows(states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """states: [B, H_kv, L, D], positions: [B, H_kv, k] -> [B, H_kv, k, D]."""
+    index = positions.unsqueeze(-1).expand(-1, -1, -1, states.shape[-1])
+    return states.gather(2, index)
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise InvalidArgument(f"{name} must be >= {minimum}, got {value}")

@@ -1,0 +1,73 @@
+"""SnapKV (Li et al., 2024, arXiv 2404.14469): keep what the end of the prompt attends to.
+
+Observation window = the last ``window`` prompt tokens. Their attention over
+the prefix, summed over the window queries, is pooled along the sequence with a
+1-D ``kernel`` (so neighbours of a hit survive too) and the top ``budget``
+prefix positions per KV head are kept, together with the window itself.
+
+Grouped-query attention: scores are computed per query head and reduced within
+each KV group (mean or max) only after pooling, so the cache keeps one row set
+per KV head and the GQA memory saving survives.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvsnap.errors import InvalidArgument
+
+from .base import Policy, _check_int
+
+
+@dataclass(frozen=True, slots=True)
+class SnapKV(Policy):
+    name = "snapkv"
+
+    kernel: int = 7
+    pooling: str = "max"  # "max" | "avg"
+    gqa_reduce: str = "mean"  # "mean" | "max"
+
+    def __post_init__(self) -> None:
+        Policy.__post_init__(self)
+        _check_int("kernel", self.kernel, minimum=1)
+        if self.kernel % 2 == 0:
+            raise InvalidArgument(f"kernel must be odd (so pooling keeps the length), got {self.kernel}")
+        if self.pooling not in ("max", "avg"):
+            raise InvalidArgument(f"pooling must be 'max' or 'avg', got {self.pooling!r}")
+        if self.gqa_reduce not in ("mean", "max"):
+            raise InvalidArgument(f"gqa_reduce must be 'mean' or 'max', got {self.gqa_reduce!r}")
+
+    def scores(self, window_queries: torch.Tensor, keys: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Pooled prefix scores per KV head: [B, H, w, D] x [B, H_kv, L, D] -> [B, H_kv, L - w]."""
+        return self.score(window_queries, keys, scale)
+
+    def score(self, window_queries: torch.Tensor, keys: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        batch, heads, w, dim = window_queries.shape
+        kv_heads, length = keys.shape[1], keys.shape[2]
+        if heads % kv_heads:
+            raise InvalidArgument(f"{heads} query heads do not split into {kv_heads} KV groups")
+        group = heads // kv_heads
+        scale = 1.0 / math.sqrt(dim) if scale is None else scale
+
+        q = window_queries.float().view(batch, kv_heads, group, w, dim)  # [B, H_kv, G, w, D]
+        k = keys.float().unsqueeze(2)  # [B, H_kv, 1, L, D]
+        logits = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H_kv, G, w, L]
+        # Window query i sits at position L - w + i: it sees the prefix and window keys j <= i.
+        causal = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu(1)
+        logits[..., length - w :].masked_fill_(causal, float("-inf"))
+        attn = logits.softmax(dim=-1)
+        votes = attn[..., : length - w].sum(dim=-2)  # [B, H_kv, G, L - w]
+
+        pooled = self._pool(votes.reshape(batch * kv_heads * group, 1, length - w))
+        pooled = pooled.view(batch, kv_heads, group, length - w)
+        return pooled.mean(dim=2) if self.gqa_reduce == "mean" else pooled.amax(dim=2)
+
+    def _pool(self, x: torch.Tensor) -> torch.Tensor:
+        pad = self.kernel // 2
+        if self.pooling == "max":
+            return F.max_pool1d(x, self.kernel, stride=1, padding=pad)
+        return F.avg_pool1d(x, self.kernel, stride=1, padding=pad, count_include_pad=False)

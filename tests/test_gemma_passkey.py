@@ -1,0 +1,40 @@
+"""The embedded Gemma 3 270M, a real model: SnapKV keeps the planted pass key retrievable."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsnap.actors import Engine, SamplingParams
+from kvsnap.policies import make_policy
+from kvsnap.service.tasks import pass_key_prompt
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("depth", [0.2, 0.8])
+def test_snapkv_budget_256_still_finds_the_pass_key(gemma_engine: Engine, depth: float):
+    prompt = pass_key_prompt(gemma_engine.tokenizer, target_tokens=1500, depth=depth, seed=int(depth * 100))
+    tokens = gemma_engine.encode(prompt.document + prompt.question)
+    assert 1300 <= len(tokens) <= 1600
+
+    session = gemma_engine.new_session(make_policy("snapkv", budget=256, window=32))
+    result = gemma_engine.turn(session, tokens, SamplingParams(max_new_tokens=8))
+    assert prompt.answer in result.text
+
+    report = result.report
+    # every full-attention layer holds budget + window (+ the generated tokens but the pending last one)
+    assert report.kept_len == 256 + 32 + len(result.tokens) - 1
+    full_layers = sum(t == "full_attention" for t in gemma_engine.model.config.layer_types)
+    row_bytes = 2 * gemma_engine.model.config.num_key_value_heads * gemma_engine.model.config.head_dim * 4
+    saved = full_layers * (report.logical_len - report.kept_len) * row_bytes
+    assert report.full_kv_bytes - report.kv_bytes == saved > 0
+
+
+def test_follow_up_turn_on_the_compressed_session(gemma_engine: Engine):
+    prompt = pass_key_prompt(gemma_engine.tokenizer, target_tokens=1500, depth=0.5, seed=3)
+    session = gemma_engine.new_session(make_policy("snapkv", budget=256, window=32))
+    gemma_engine.turn(session, gemma_engine.encode(prompt.document), SamplingParams(max_new_tokens=1))
+    follow_up = gemma_engine.encode(prompt.question, first=False)
+    result = gemma_engine.turn(session, follow_up, SamplingParams(max_new_tokens=8))
+    assert result.report.prompt_tokens == len(follow_up) + 1  # only the new turn is prefilled
+    assert session.logical_len > 1400 and session.kept_len < 400

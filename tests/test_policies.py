@@ -1,0 +1,139 @@
+"""SnapKV's math against a reference written straight from the paper's formulas, and the
+contract every registered policy keeps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvsnap.errors import InvalidArgument
+from kvsnap.policies import POLICIES, FullKV, SnapKV, StreamingLLM, make_policy
+
+
+def reference_scores(q, k, window, kernel, pooling, gqa_reduce):
+    """Loops over heads and window queries: softmax over every visible key, sum on the prefix,
+    pool along the sequence, then reduce within each KV group."""
+    batch, heads, w, dim = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    prefix = length - w
+    out = torch.empty(batch, kv_heads, prefix, dtype=torch.float64)
+    for b in range(batch):
+        per_head = []
+        for h in range(heads):
+            keys = k[b, h // group].double()
+            votes = torch.zeros(prefix, dtype=torch.float64)
+            for i in range(w):
+                visible = prefix + i + 1  # query i sits at position prefix + i
+                logits = keys[:visible] @ q[b, h, i].double() / math.sqrt(dim)
+                votes += logits.softmax(0)[:prefix]
+            pooled = torch.empty(prefix, dtype=torch.float64)
+            half = kernel // 2
+            for j in range(prefix):
+                span = votes[max(0, j - half) : min(prefix, j + half + 1)]
+                pooled[j] = span.max() if pooling == "max" else span.mean()
+            per_head.append(pooled)
+        stacked = torch.stack(per_head).view(kv_heads, group, prefix)
+        out[b] = stacked.mean(1) if gqa_reduce == "mean" else stacked.amax(1)
+    return out
+
+
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+@pytest.mark.parametrize("gqa_reduce", ["mean", "max"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (6, 1)])
+def test_snapkv_scores_match_reference(pooling, gqa_reduce, heads, kv_heads):
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    length, window, dim = 50, 6, 8
+    q = torch.randn(2, heads, window, dim, generator=g) * 2
+    k = torch.randn(2, kv_heads, length, dim, generator=g) * 2
+    policy = SnapKV(window=window, budget=10, kernel=5, pooling=pooling, gqa_reduce=gqa_reduce)
+    got = policy.scores(q, k)
+    want = reference_scores(q, k, window, 5, pooling, gqa_reduce)
+    assert got.shape == (2, kv_heads, length - window)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_snapkv_select_keeps_budget_window_and_a_top_k():
+    g = torch.Generator().manual_seed(7)
+    length, window, budget = 80, 8, 12
+    q = torch.randn(1, 4, window, 16, generator=g)
+    k = torch.randn(1, 2, length, 16, generator=g)
+    policy = SnapKV(window=window, budget=budget, kernel=3)
+    kept = policy.select(q, k)
+    scores = policy.scores(q, k)
+    assert kept.shape == (1, 2, budget + window)
+    for h in range(2):
+        rows = kept[0, h]
+        assert torch.equal(rows, rows.sort().values) and rows.unique().numel() == rows.numel()
+        assert rows[-window:].tolist() == list(range(length - window, length))  # the window is always kept
+        prefix_kept = rows[:-window]
+        dropped = torch.ones(length - window, dtype=torch.bool)
+        dropped[prefix_kept] = False
+        # a top-k: nothing dropped scores above anything kept (ties may go either way)
+        assert scores[0, h, prefix_kept].min() >= scores[0, h, dropped].max()
+
+
+def test_snapkv_leaves_short_prompts_alone():
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 20, 8)
+    assert SnapKV(window=4, budget=16).select(q, k).shape[-1] == 20  # 20 <= 16 + 4
+    assert SnapKV(window=4, budget=15).select(q, k).shape[-1] == 19
+
+
+def test_snapkv_ratio_budget():
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 104, 8)
+    assert SnapKV(window=4, ratio=0.25).select(q, k).shape[-1] == 25 + 4
+    # ratio sizes against the tokens seen, not against rows already kept
+    assert SnapKV(window=4, ratio=0.25).select(q, k, logical_len=404).shape[-1] == 100 + 4
+
+
+def test_streaming_keeps_sinks_and_recent():
+    q, k = torch.randn(1, 2, 8, 8), torch.randn(1, 2, 40, 8)
+    kept = StreamingLLM(window=8, sinks=4).select(q, k)
+    assert kept[0, 0].tolist() == [0, 1, 2, 3] + list(range(32, 40))
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_policy_contract(name):
+    """Every policy: sorted unique rows, window kept, at most budget + window rows."""
+    policy = make_policy(name, window=4)
+    g = torch.Generator().manual_seed(3)
+    for length in (4, 10, 600):
+        q, k = torch.randn(1, 4, 4, 8, generator=g), torch.randn(1, 2, length, 8, generator=g)
+        kept = policy.select(q, k)
+        for rows in kept[0]:
+            assert torch.equal(rows, rows.sort().values) and rows.unique().numel() == rows.numel()
+            assert set(range(length - 4, length)) <= set(rows.tolist())
+        if policy.compresses_anything:
+            assert kept.shape[-1] == min(length, policy.prefix_budget(length - 4) + 4)
+        else:
+            assert kept.shape[-1] == length
+    assert policy.fingerprint().startswith(f"{name}(")
+
+
+def test_full_never_compresses():
+    assert not FullKV().compresses(10_000)
+
+
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        ({"budget": 0}, "budget must be >= 1"),
+        ({"window": 0}, "window must be >= 1"),
+        ({"kernel": 4}, "kernel must be odd"),
+        ({"pooling": "median"}, "pooling must be"),
+        ({"gqa_reduce": "sum"}, "gqa_reduce must be"),
+        ({"ratio": 1.5}, "ratio must be"),
+        ({"budget": 2.5}, "budget must be an integer"),
+        ({"bogus": 1}, "no parameter"),
+    ],
+)
+def test_bad_policy_parameters(params, match):
+    with pytest.raises(InvalidArgument, match=match):
+        make_policy("snapkv", **params)
+
+
+def test_unknown_policy_lists_valid_names():
+    with pytest.raises(InvalidArgument, match="valid policies: full, snapkv, streaming"):
+        make_policy("h3o")
