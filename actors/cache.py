@@ -90,3 +90,30 @@ def kept_len(cache: DynamicCache) -> int:
     """Rows held by the full-attention layers (all equal under one policy)."""
     lengths = [cache.layers[i].kept_len for i in full_layer_indices(cache)]
     return max(lengths, default=0)
+
+
+# -- moving a session's KV in and out of the model's cache object -------------------------
+
+
+def export_kv(cache: DynamicCache) -> list[torch.Tensor]:
+    """The cache's tensors, ``[k_0, v_0, k_1, v_1, ...]``, each ``[1, H_kv, rows, D]`` (no copy)."""
+    tensors = []
+    for layer in cache.layers:
+        tensors += [layer.keys, layer.values]
+    return tensors
+
+
+def import_kv(config, tensors: list[torch.Tensor], logical_len: int) -> DynamicCache:
+    """Rebuild a session cache for ``config`` from :func:`export_kv` tensors at ``logical_len`` tokens."""
+    cache = new_session_cache(config)
+    if len(tensors) != 2 * len(cache.layers):
+        raise ValueError(f"expected {2 * len(cache.layers)} KV tensors, got {len(tensors)}")
+    for i, layer in enumerate(cache.layers):
+        keys, values = tensors[2 * i], tensors[2 * i + 1]
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+        if isinstance(layer, CompressedLayer):
+            layer.logical_len = logical_len
+        elif isinstance(layer, DynamicSlidingWindowLayer):
+            layer.cumulative_length = logical_len
+    return cache

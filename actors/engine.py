@@ -36,6 +36,7 @@ class TurnResult:
     text: str
     finish_reason: str  # "stop" (EOS or stop string) | "length"
     report: TurnReport
+    source: str = ""  # set by a worker: where the KV came from (device / host / disk / rebuilt / new)
 
 
 @dataclass(slots=True)
@@ -45,6 +46,7 @@ class TurnStream:
     tokens: Iterator[int] | None = None
     finish_reason: str = "length"
     report: TurnReport | None = None
+    source: str = ""  # set by a worker: where the KV came from (device / host / disk / rebuilt / new)
 
     def __iter__(self) -> Iterator[int]:
         return self.tokens
@@ -94,18 +96,19 @@ class Engine:
         generated = list(stream)
         return TurnResult(generated, self.decode(generated), stream.finish_reason, stream.report)
 
-    def stream(self, session: Session, tokens: list[int], sampling: SamplingParams) -> TurnStream:
+    def stream(self, session: Session, tokens: list[int], sampling: SamplingParams | None) -> TurnStream:
         """Prefill ``tokens`` (after any pending ones), compress, then yield generated token ids.
 
         Closing the iterator early (client gone) stops generation; the session stays
-        consistent: every yielded token is in the transcript.
+        consistent: every yielded token is in the transcript. ``sampling=None`` only
+        prefills (e.g. a document opening a session).
         """
         self._validate(session, tokens, sampling)  # before any model work
         out = TurnStream()
         out.tokens = self._stream(session, list(tokens), sampling, out)
         return out
 
-    def _stream(self, session: Session, tokens: list[int], sampling: SamplingParams, out: TurnStream):
+    def _stream(self, session: Session, tokens: list[int], sampling: SamplingParams | None, out: TurnStream):
         started = time.perf_counter()
         timer = _Timer()
         prompt_tokens = len(session.pending) + len(tokens)
@@ -114,7 +117,7 @@ class Engine:
         ttft = 0.0
         decode_started = time.perf_counter()
         try:
-            for token in self.decode_tokens(session, logits, sampling, out):
+            for token in self.decode_tokens(session, logits, sampling, out) if sampling is not None else ():
                 generated += 1
                 if generated == 1:
                     ttft = time.perf_counter() - started
@@ -214,7 +217,7 @@ class Engine:
 
     # -- checks and references -----------------------------------------------------------
     def _validate(self, session: Session, tokens: list[int], sampling: SamplingParams) -> None:
-        if not isinstance(sampling, SamplingParams):
+        if sampling is not None and not isinstance(sampling, SamplingParams):
             raise InvalidArgument("sampling must be a SamplingParams")
         if session.model_fingerprint != self.loaded.fingerprint:
             raise InvalidArgument("session was built by a different model")
@@ -231,6 +234,14 @@ class Engine:
                 f"observation window ({policy.window}) is longer than the prompt ({len(tokens)} "
                 "tokens); lower `window` or send a longer prompt"
             )
+
+    def rebuild(self, session: Session, transcript: list[int], logical_len: int) -> None:
+        """Recreate a lost KV from the token log: prefill the first ``logical_len`` tokens in one
+        pass with the session's policy; the rest stay pending, as they were."""
+        if not 0 < logical_len <= len(transcript) or session.logical_len:
+            raise InvalidArgument("rebuild needs an empty session and 0 < logical_len <= len(transcript)")
+        self.prefill(session, transcript[:logical_len])
+        session.transcript.extend(transcript[logical_len:])
 
     @torch.inference_mode()
     def reference_logits(self, tokens: list[int]) -> torch.Tensor:

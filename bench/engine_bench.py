@@ -62,34 +62,54 @@ def main() -> None:
 
         stateless = engine.new_session(snapkv, recompress="never")
         t0 = time.perf_counter()
-        engine.prefill(stateless, compressed.transcript[:-len(follow_up)] + follow_up)
+        engine.prefill(stateless, compressed.transcript[: -len(follow_up)] + follow_up)
         reprefill = time.perf_counter() - t0
 
-        rows.append({
-            "rep": rep, "prompt_tokens": len(prompt), "full_prefill_s": full_prefill,
-            "snapkv_prefill_s": report.prefill_s, "snapkv_compress_s": report.compress_s,
-            "full_kv_bytes": full.kv_bytes, "snapkv_kv_bytes": report.kv_bytes,
-            "resume_s": resume, "reprefill_s": reprefill,
-        })
-        print(f"rep {rep}: prefill {report.prefill_s:.2f}s compress {report.compress_s * 1e3:.1f}ms "
-              f"resume {resume * 1e3:.0f}ms re-prefill {reprefill:.2f}s", flush=True)
+        rows.append(
+            {
+                "rep": rep,
+                "prompt_tokens": len(prompt),
+                "full_prefill_s": full_prefill,
+                "snapkv_prefill_s": report.prefill_s,
+                "snapkv_compress_s": report.compress_s,
+                "full_kv_bytes": full.kv_bytes,
+                "snapkv_kv_bytes": report.kv_bytes,
+                "resume_s": resume,
+                "reprefill_s": reprefill,
+            }
+        )
+        print(
+            f"rep {rep}: prefill {report.prefill_s:.2f}s compress {report.compress_s * 1e3:.1f}ms "
+            f"resume {resume * 1e3:.0f}ms re-prefill {reprefill:.2f}s",
+            flush=True,
+        )
 
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "rep"}
     summary = {
         "scoring_share_of_prefill": med["snapkv_compress_s"] / med["snapkv_prefill_s"],
-        "kv_bytes_full": med["full_kv_bytes"], "kv_bytes_snapkv": med["snapkv_kv_bytes"],
+        "kv_bytes_full": med["full_kv_bytes"],
+        "kv_bytes_snapkv": med["snapkv_kv_bytes"],
         "kv_bytes_ratio": med["full_kv_bytes"] / med["snapkv_kv_bytes"],
-        "full_attention_rows_full": len(prompt), "full_attention_rows_snapkv": args.budget + args.window,
-        "resume_s": med["resume_s"], "reprefill_s": med["reprefill_s"],
+        "full_attention_rows_full": len(prompt),
+        "full_attention_rows_snapkv": args.budget + args.window,
+        "resume_s": med["resume_s"],
+        "reprefill_s": med["reprefill_s"],
         "resume_speedup": med["reprefill_s"] / med["resume_s"],
     }
-    result = {"args": vars(args), "machine": f"{platform.machine()} {torch.get_num_threads()} threads, "
-              f"torch {torch.__version__}, device {engine.device}", "reps": rows, "summary": summary}
+    result = {
+        "args": vars(args),
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, device {engine.device}",
+        "reps": rows,
+        "summary": summary,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
 
-    print(f"\n{args.model}, {len(prompt)} prompt tokens, SnapKV budget {args.budget} window {args.window}, "
-          f"median of {args.reps}")
+    print(
+        f"\n{args.model}, {len(prompt)} prompt tokens, SnapKV budget {args.budget} window {args.window}, "
+        f"median of {args.reps}"
+    )
     print(f"{'metric':44} {'value':>14}  target")
     print(f"{'SnapKV scoring / prefill time':44} {summary['scoring_share_of_prefill']:>13.2%}  < 5%")
     print(f"{'KV bytes full':44} {summary['kv_bytes_full'] / 2**20:>10.2f} MiB")

@@ -7,10 +7,12 @@ SnapKV(window=16, budget=256, ratio=None, kernel=7, pooling='max', gqa_reduce='m
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from kvsnap.errors import InvalidArgument
 
 from .base import Policy, gather_rows
+from .eviction import EVICTION_POLICIES, LRU
 from .full import FullKV
 from .snapkv import SnapKV
 from .streaming import StreamingLLM
@@ -30,4 +32,26 @@ def make_policy(name: str, **params) -> Policy:
     return cls(**params)
 
 
-__all__ = ["POLICIES", "FullKV", "Policy", "SnapKV", "StreamingLLM", "gather_rows", "make_policy"]
+def policy_to_json(policy: Policy) -> str:
+    """``{"name": ..., "params": {...}}``: what a session directory stores to rebuild the policy."""
+    return json.dumps({"name": policy.name, "params": dataclasses.asdict(policy)}, sort_keys=True)
+
+
+def policy_from_json(text: str) -> Policy:
+    spec = json.loads(text)
+    return make_policy(spec["name"], **spec["params"])
+
+
+__all__ = [
+    "EVICTION_POLICIES",
+    "LRU",
+    "POLICIES",
+    "FullKV",
+    "Policy",
+    "SnapKV",
+    "StreamingLLM",
+    "gather_rows",
+    "make_policy",
+    "policy_from_json",
+    "policy_to_json",
+]

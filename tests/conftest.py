@@ -26,3 +26,26 @@ def gemma_engine() -> Engine:
 
 def random_tokens(n: int, seed: int, low: int = 3, high: int = 300) -> list[int]:
     return torch.randint(low, high, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One real redis-server process for the test run (the embedded one kvsnap starts)."""
+    from kvsnap.actors.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def directory_factory(redis_server, request):
+    """Directories on the shared server, namespaced per test so tests never see each other's keys."""
+    from kvsnap.actors.directory import SessionDirectory
+
+    prefix = "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name)[-60:]
+
+    def make(url: str | None = None, **kwargs) -> SessionDirectory:
+        return SessionDirectory(url or redis_server.url, prefix=prefix, **kwargs)
+
+    return make

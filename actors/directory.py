@@ -1,0 +1,249 @@
+"""The Redis session directory: who holds which session, and every session's token log.
+
+Redis is a hint, the worker is the truth. Per session (namespaced by tenant) a hash
+holds the owner worker, its incarnation epoch, the tier, both lengths, the KV
+bytes, policy / model fingerprints, turn count, times and a ``version`` that grows
+with every turn. Every update is a compare-and-set on that version, done in one
+Lua script together with the append to the token log, so a turn's metadata and
+its tokens land together or not at all.
+
+The token log (prompt turns and generated tokens, packed uint32 chunks in a Redis
+list) is what makes a lost KV recoverable: the session is rebuilt by re-prefilling it.
+
+Every call has a short socket timeout; a dead Redis raises ``Unavailable`` within
+about two seconds, never hangs.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from array import array
+from dataclasses import asdict, dataclass, fields
+
+import redis
+
+from kvsnap.errors import Conflict, InvalidArgument, NotFound, Unavailable
+
+ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return -2 end
+redis.call('DEL', KEYS[2])
+if ARGV[2] ~= '' then redis.call('RPUSH', KEYS[2], ARGV[2]) end
+redis.call('HSET', KEYS[1], 'version', 1, unpack(ARGV, 3))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+if ARGV[2] ~= '' then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
+return 1
+"""
+
+_COMMIT = """
+local v = redis.call('HGET', KEYS[1], 'version')
+if not v then return -1 end
+if tonumber(v) ~= tonumber(ARGV[2]) then return -2 end
+if ARGV[3] ~= '' then redis.call('RPUSH', KEYS[2], ARGV[3]) end
+local nv = tonumber(v) + 1
+redis.call('HSET', KEYS[1], 'version', nv, unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
+return nv
+"""
+
+# Re-register a session a worker holds: write it back when the entry is gone (Redis
+# restarted empty) or older than the worker's copy (turns served while Redis was down).
+_RESTORE = """
+local v = redis.call('HGET', KEYS[1], 'version')
+if v and tonumber(v) >= tonumber(ARGV[2]) then return 0 end
+redis.call('DEL', KEYS[1], KEYS[2])
+if ARGV[3] ~= '' then redis.call('RPUSH', KEYS[2], ARGV[3]) end
+redis.call('HSET', KEYS[1], 'version', ARGV[2], unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+if ARGV[3] ~= '' then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
+return 1
+"""
+
+
+@dataclass(slots=True)
+class SessionEntry:
+    tenant: str
+    session_id: str
+    owner: str = ""
+    epoch: int = 0
+    tier: str = ""
+    logical_len: int = 0
+    kept_len: int = 0
+    kv_bytes: int = 0
+    policy: str = ""  # JSON {"name": ..., "params": {...}}: enough to rebuild the policy
+    policy_fingerprint: str = ""
+    model: str = ""
+    recompress: str = "per_turn"
+    turns: int = 0
+    created: float = 0.0
+    last_used: float = 0.0
+    version: int = 0
+    log_len: int = 0  # tokens in the token log
+
+    @classmethod
+    def from_hash(cls, tenant: str, session_id: str, raw: dict[bytes, bytes]) -> SessionEntry:
+        values = {k.decode(): v.decode() for k, v in raw.items()}
+        kwargs = {}
+        for f in fields(cls):
+            if f.name in ("tenant", "session_id") or f.name not in values:
+                continue
+            kind = {"int": int, "float": float}.get(f.type, str)
+            kwargs[f.name] = kind(values[f.name])
+        return cls(tenant, session_id, **kwargs)
+
+    def fields_flat(self, exclude: tuple[str, ...] = ("tenant", "session_id", "version")) -> list[str | int | float]:
+        flat: list[str | int | float] = []
+        for key, value in asdict(self).items():
+            if key not in exclude:
+                flat += [key, value]
+        return flat
+
+
+def pack_tokens(tokens: list[int]) -> bytes:
+    packed = array("I", tokens)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_tokens(chunks: list[bytes]) -> list[int]:
+    packed = array("I")
+    for chunk in chunks:
+        packed.frombytes(chunk)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tolist()
+
+
+def check_id(kind: str, value: str) -> str:
+    if not isinstance(value, str) or not ID_PATTERN.match(value):
+        raise InvalidArgument(f"{kind} must be 1-128 characters of A-Z a-z 0-9 . _ : -, got {value!r}")
+    return value
+
+
+class SessionDirectory:
+    def __init__(
+        self,
+        url: str,
+        *,
+        session_ttl_s: int = 24 * 3600,
+        heartbeat_ttl_s: int = 10,
+        timeout_s: float = 1.0,
+        prefix: str = "kvsnap",
+    ):
+        if session_ttl_s < 1 or heartbeat_ttl_s < 1:
+            raise InvalidArgument("TTLs must be >= 1 second")
+        self.url = url
+        self.session_ttl_s = session_ttl_s
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.prefix = prefix
+        self.client = redis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
+        self._create = self.client.register_script(_CREATE)
+        self._commit = self.client.register_script(_COMMIT)
+        self._restore = self.client.register_script(_RESTORE)
+
+    # -- keys ----------------------------------------------------------------------------
+    def session_key(self, tenant: str, session_id: str) -> str:
+        return f"{self.prefix}:s:{check_id('tenant', tenant)}:{check_id('session id', session_id)}"
+
+    def log_key(self, tenant: str, session_id: str) -> str:
+        return f"{self.prefix}:t:{check_id('tenant', tenant)}:{check_id('session id', session_id)}"
+
+    def session_keys(self, tenant: str, session_id: str) -> list[str]:
+        """Every key a session owns (TTL applies to all of them)."""
+        return [self.session_key(tenant, session_id), self.log_key(tenant, session_id)]
+
+    # -- calls ---------------------------------------------------------------------------
+    def _call(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            raise Unavailable(f"session directory (Redis) unavailable: {exc}") from exc
+        except redis.ResponseError as exc:
+            if "NOSCRIPT" in str(exc) or "LOADING" in str(exc):
+                raise Unavailable(f"session directory (Redis) not ready: {exc}") from exc
+            raise
+
+    def ping(self) -> bool:
+        return bool(self._call(self.client.ping))
+
+    def create(self, entry: SessionEntry, tokens: list[int]) -> SessionEntry:
+        """Register a new session at version 1 with its first tokens; Conflict if the id is taken."""
+        now = time.time()
+        entry.created = entry.created or now
+        entry.last_used = now
+        entry.log_len = len(tokens)
+        keys = self.session_keys(entry.tenant, entry.session_id)
+        result = self._call(
+            self._create, keys=keys, args=[self.session_ttl_s, pack_tokens(tokens), *entry.fields_flat()]
+        )
+        if result == -2:
+            raise Conflict(f"session {entry.session_id!r} already exists")
+        entry.version = 1
+        return entry
+
+    def get(self, tenant: str, session_id: str) -> SessionEntry | None:
+        raw = self._call(self.client.hgetall, self.session_key(tenant, session_id))
+        return SessionEntry.from_hash(tenant, session_id, raw) if raw else None
+
+    def require(self, tenant: str, session_id: str) -> SessionEntry:
+        entry = self.get(tenant, session_id)
+        if entry is None:
+            raise NotFound(f"session {session_id!r} not found")
+        return entry
+
+    def tokens(self, tenant: str, session_id: str) -> list[int]:
+        return unpack_tokens(self._call(self.client.lrange, self.log_key(tenant, session_id), 0, -1))
+
+    def commit(self, entry: SessionEntry, expected_version: int, new_tokens: list[int]) -> SessionEntry:
+        """Compare-and-set: write ``entry`` and append ``new_tokens`` iff the stored version is
+        ``expected_version``. Raises Conflict when another writer got there first, NotFound when gone."""
+        entry.last_used = time.time()
+        entry.log_len += len(new_tokens)
+        result = self._call(
+            self._commit,
+            keys=self.session_keys(entry.tenant, entry.session_id),
+            args=[self.session_ttl_s, expected_version, pack_tokens(new_tokens), *entry.fields_flat()],
+        )
+        if result == -1:
+            raise NotFound(f"session {entry.session_id!r} not found")
+        if result == -2:
+            raise Conflict(
+                f"session {entry.session_id!r} was updated concurrently (expected version "
+                f"{expected_version}); retry the turn"
+            )
+        entry.version = int(result)
+        return entry
+
+    def restore(self, entry: SessionEntry, tokens: list[int]) -> bool:
+        """Write back a session a worker holds if Redis lost it or has an older version. True if written."""
+        entry.log_len = len(tokens)
+        written = self._call(
+            self._restore,
+            keys=self.session_keys(entry.tenant, entry.session_id),
+            args=[self.session_ttl_s, entry.version, pack_tokens(tokens), *entry.fields_flat()],
+        )
+        return bool(written)
+
+    def delete(self, tenant: str, session_id: str) -> bool:
+        return bool(self._call(self.client.delete, *self.session_keys(tenant, session_id)))
+
+    # -- workers -------------------------------------------------------------------------
+    def heartbeat(self, worker_id: str, epoch: int) -> None:
+        self._call(
+            self.client.set, f"{self.prefix}:w:{check_id('worker id', worker_id)}", epoch, ex=self.heartbeat_ttl_s
+        )
+
+    def worker_alive(self, worker_id: str, epoch: int) -> bool:
+        value = self._call(self.client.get, f"{self.prefix}:w:{check_id('worker id', worker_id)}")
+        return value is not None and int(value) == epoch

@@ -1,0 +1,320 @@
+"""A worker: one engine, its tiered session-KV store, and the Redis session directory.
+
+Usable in-process (tests, benchmarks); the Ray Serve replica wraps one. A turn:
+
+    entry   = directory entry of (tenant, session)          # Redis: version, lengths, policy
+    session = load KV: device -> host -> disk tier, else rebuild from the token log
+    stream  = engine: prefill the new tokens, compress, decode (streamed)
+    store   = KV back into the device tier (LRU demotion below)
+    commit  = compare-and-set the entry (version + 1) and append the turn's tokens to the log
+
+Redis is a hint, the worker is the truth: KV is only reused when its version is
+the directory's version; anything else is rebuilt from the token log, so nothing is
+lost while the log survives. While Redis is down, turns on sessions this worker
+holds still run (their commits are replayed when Redis returns); others fail with
+``Unavailable``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from kvsnap.errors import Conflict, InvalidArgument, NotFound, Unavailable
+from kvsnap.policies import Policy, policy_from_json, policy_to_json
+
+from .cache import export_kv, import_kv
+from .directory import SessionDirectory, SessionEntry, check_id
+from .engine import Engine, TurnResult, TurnStream
+from .sampling import SamplingParams
+from .session import Session
+from .tiers import KVBlob, TieredStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Held:
+    """What this worker knows of a session it holds (the KV itself is in the tiers)."""
+
+    entry: SessionEntry  # as last committed (or to be replayed, when ``dirty``)
+    transcript: list[int]
+    dirty: bool = False  # committed locally while Redis was unreachable
+
+
+class Worker:
+    def __init__(self, engine: Engine, directory: SessionDirectory, store: TieredStore, worker_id: str):
+        self.engine = engine
+        self.directory = directory
+        self.store = store
+        self.worker_id = check_id("worker id", worker_id)
+        self.epoch = time.time_ns()  # incarnation: a restarted worker never reuses one
+        self.held: dict[str, Held] = {}
+        self.counters: Counter = Counter()  # rebuilds, tier hits, offline turns, resyncs, conflicts
+        self._busy: set[str] = set()
+        self._busy_lock = threading.Lock()
+        self._lock = threading.RLock()  # one model: turns run one at a time
+        self._stop = threading.Event()
+        try:
+            self.heartbeat()
+        except Unavailable:
+            log.warning("worker %s: Redis unreachable at start; will retry on heartbeat", worker_id)
+
+    # -- public operations ---------------------------------------------------------------
+    def open(
+        self,
+        tenant: str,
+        session_id: str,
+        tokens: list[int],
+        policy: Policy,
+        recompress: str = "per_turn",
+        sampling: SamplingParams | None = None,
+    ) -> TurnResult:
+        """Create a session from its first tokens (a document), optionally generating an answer."""
+        return self._collect(self.open_stream(tenant, session_id, tokens, policy, recompress, sampling))
+
+    def turn(self, tenant: str, session_id: str, tokens: list[int], sampling: SamplingParams) -> TurnResult:
+        return self._collect(self.turn_stream(tenant, session_id, tokens, sampling))
+
+    def open_stream(
+        self,
+        tenant: str,
+        session_id: str,
+        tokens: list[int],
+        policy: Policy,
+        recompress: str = "per_turn",
+        sampling: SamplingParams | None = None,
+    ) -> TurnStream:
+        key = self._key(tenant, session_id)
+        session = self.engine.new_session(policy, recompress, session_id)
+        entry = SessionEntry(
+            tenant,
+            session_id,
+            policy=policy_to_json(policy),
+            policy_fingerprint=policy.fingerprint(),
+            model=self.engine.loaded.fingerprint,
+            recompress=recompress,
+        )
+        stream = self.engine.stream(session, tokens, sampling)  # validates before any work or write
+        with self._claim(key):
+            if self.directory.get(tenant, session_id) is not None:
+                raise Conflict(f"session {session_id!r} already exists")
+            self.directory.create(entry, [])  # version 1, empty log: the first commit carries the tokens
+        return self._wrap(key, entry, session, stream, source="new")
+
+    def turn_stream(self, tenant: str, session_id: str, tokens: list[int], sampling: SamplingParams) -> TurnStream:
+        key = self._key(tenant, session_id)
+        with self._claim(key):
+            entry = self._entry(tenant, session_id, key)
+            session, source = self._load(key, entry)
+            stream = self.engine.stream(session, tokens, sampling)
+        return self._wrap(key, entry, session, stream, source)
+
+    def state(self, tenant: str, session_id: str) -> SessionEntry:
+        key = self._key(tenant, session_id)
+        return self._entry(tenant, session_id, key)
+
+    def delete(self, tenant: str, session_id: str) -> None:
+        key = self._key(tenant, session_id)
+        with self._claim(key):
+            existed = self.directory.delete(tenant, session_id)
+            with self._lock:
+                self.store.discard(key)
+                held = self.held.pop(key, None)
+        if not existed and held is None:
+            raise NotFound(f"session {session_id!r} not found")
+
+    # -- liveness and re-registration ----------------------------------------------------
+    def heartbeat(self) -> None:
+        """Refresh this worker's heartbeat; re-register held sessions Redis lost or missed."""
+        alive = self.directory.worker_alive(self.worker_id, self.epoch)
+        self.directory.heartbeat(self.worker_id, self.epoch)
+        self._expire_idle()
+        with self._lock:
+            todo = [k for k, h in self.held.items() if h.dirty or not alive]
+        for key in todo:
+            self._resync(key)
+
+    def start_heartbeat(self, interval_s: float = 2.0) -> threading.Thread:
+        def loop():
+            while not self._stop.wait(interval_s):
+                try:
+                    self.heartbeat()
+                except Unavailable:
+                    pass
+                except Exception:  # keep beating whatever happens to one round
+                    log.exception("heartbeat failed")
+
+        thread = threading.Thread(target=loop, name=f"kvsnap-heartbeat-{self.worker_id}", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- the steps -----------------------------------------------------------------------
+    def _entry(self, tenant: str, session_id: str, key: str) -> SessionEntry:
+        """The directory entry; while Redis is down, this worker's own copy of a session it holds."""
+        try:
+            entry = self.directory.get(tenant, session_id)
+            if entry is None and key in self.held and not self.directory.worker_alive(self.worker_id, self.epoch):
+                self.heartbeat()  # Redis came back empty: put our sessions back first
+                entry = self.directory.get(tenant, session_id)
+        except Unavailable:
+            held = self.held.get(key)
+            if held is None:
+                raise
+            self.counters["offline_turns"] += 1
+            return _copy(held.entry)
+        if entry is None:
+            raise NotFound(f"session {session_id!r} not found")
+        held = self.held.get(key)
+        if held and held.dirty and held.entry.version > entry.version:
+            return _copy(held.entry)  # our offline turns are newer than Redis: replayed on commit
+        return entry
+
+    def _load(self, key: str, entry: SessionEntry) -> tuple[Session, str]:
+        """The session's KV from the tiers when it is the directory's version, else rebuilt."""
+        with self._lock:
+            held = self.held.get(key)
+            tier = self.store.tier_of(key)
+            blob = self.store.get(key) if held and held.entry.version == entry.version else None
+            policy = policy_from_json(entry.policy)
+            session = self.engine.new_session(policy, entry.recompress, entry.session_id)
+            if blob is not None and blob.version == entry.version:
+                session.cache = import_kv(self.engine.model.config, blob.tensors, blob.logical_len)
+                session.logical_len = blob.logical_len
+                session.transcript = list(held.transcript)
+                session.turns = entry.turns
+                self.counters[f"hit_{tier}"] += 1
+                return session, tier
+            transcript = held.transcript if held and held.entry.version == entry.version else None
+            if transcript is None:
+                transcript = self.directory.tokens(entry.tenant, entry.session_id)
+            if len(transcript) != entry.log_len:
+                raise Unavailable(
+                    f"token log of {entry.session_id!r} has {len(transcript)} tokens, expected {entry.log_len}; retry"
+                )
+            if transcript:
+                self.engine.rebuild(session, transcript, entry.logical_len or len(transcript))
+            session.turns = entry.turns
+            self.counters["rebuilds"] += 1
+            return session, "rebuilt"
+
+    def _wrap(self, key: str, entry: SessionEntry, session: Session, stream: TurnStream, source: str) -> TurnStream:
+        """Run ``stream`` under the worker lock and commit when it ends (also when closed early)."""
+        out = TurnStream(finish_reason=stream.finish_reason, source=source)
+        out.tokens = self._run(key, entry, session, stream, out)
+        return out
+
+    def _run(
+        self, key: str, entry: SessionEntry, session: Session, stream: TurnStream, out: TurnStream
+    ) -> Iterator[int]:
+        with self._claim(key), self._lock:
+            try:
+                yield from stream
+            except GeneratorExit:  # the client went away: keep what was generated
+                self._finish(key, entry, session, stream, out)
+                raise
+            except BaseException:  # the turn broke half way: its KV is not trusted, the log is
+                self.store.discard(key)
+                self.held.pop(key, None)
+                if out.source == "new":
+                    self.directory.delete(entry.tenant, entry.session_id)
+                raise
+            self._finish(key, entry, session, stream, out)
+
+    def _finish(self, key: str, entry: SessionEntry, session: Session, stream: TurnStream, out: TurnStream) -> None:
+        out.finish_reason, out.report = stream.finish_reason, stream.report
+        self._commit(key, entry, session)
+
+    def _commit(self, key: str, entry: SessionEntry, session: Session) -> None:
+        expected = entry.version
+        logged = entry.log_len
+        updated = _copy(entry)
+        updated.owner, updated.epoch = self.worker_id, self.epoch
+        updated.logical_len, updated.kept_len = session.logical_len, session.kept_len
+        updated.kv_bytes, updated.turns = session.kv_bytes, session.turns
+        blob = KVBlob(export_kv(session.cache), session.logical_len, version=expected + 1)
+        updated.tier = self.store.put(key, blob) or "dropped"
+        try:
+            self.directory.commit(updated, expected, session.transcript[logged:])
+        except Conflict:
+            self.store.discard(key)
+            self.held.pop(key, None)
+            self.counters["conflicts"] += 1
+            raise
+        except Unavailable:
+            updated.version = expected + 1
+            updated.log_len = len(session.transcript)
+            self.held[key] = Held(updated, list(session.transcript), dirty=True)
+            log.warning("commit of %s deferred: Redis unavailable", key)
+            return
+        self.held[key] = Held(updated, list(session.transcript))
+
+    def _resync(self, key: str) -> None:
+        with self._lock:
+            held = self.held.get(key)
+            if held is None:
+                return
+            entry = _copy(held.entry)
+            entry.tier = self.store.tier_of(key) or "dropped"
+            if self.directory.restore(entry, held.transcript):
+                self.counters["resyncs"] += 1
+            held.dirty = False
+
+    def _expire_idle(self) -> None:
+        """Forget sessions idle past the directory TTL (Redis expired them too)."""
+        cutoff = time.time() - self.directory.session_ttl_s
+        with self._lock:
+            for key in [k for k, h in self.held.items() if h.entry.last_used < cutoff and not h.dirty]:
+                self.held.pop(key)
+                self.store.discard(key)
+
+    # -- helpers -------------------------------------------------------------------------
+    @staticmethod
+    def _key(tenant: str, session_id: str) -> str:
+        return f"{check_id('tenant', tenant)}/{check_id('session id', session_id)}"
+
+    @contextmanager
+    def _claim(self, key: str):
+        """One turn per session at a time: a second concurrent one gets Conflict (HTTP 409)."""
+        with self._busy_lock:
+            if key in self._busy:
+                raise Conflict("another turn on this session is in progress")
+            self._busy.add(key)
+        try:
+            yield
+        finally:
+            with self._busy_lock:
+                self._busy.discard(key)
+
+    def _collect(self, stream: TurnStream) -> TurnResult:
+        tokens = list(stream)
+        return TurnResult(tokens, self.engine.decode(tokens), stream.finish_reason, stream.report, stream.source)
+
+    def stats(self) -> dict:
+        return {
+            "worker": self.worker_id,
+            "epoch": self.epoch,
+            "held": len(self.held),
+            "bytes_by_tier": self.store.bytes_by_tier(),
+            "sessions_by_tier": self.store.sessions_by_tier(),
+            "demotions": dict(self.store.stats.demotions),
+            "promotions": dict(self.store.stats.promotions),
+            "dropped": self.store.stats.dropped,
+            "corrupt": self.store.stats.corrupt,
+            **self.counters,
+        }
+
+
+def _copy(entry: SessionEntry) -> SessionEntry:
+    return SessionEntry(**{f: getattr(entry, f) for f in entry.__slots__})
+
+
+__all__ = ["Held", "InvalidArgument", "Worker"]
