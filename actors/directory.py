@@ -16,6 +16,7 @@ about two seconds, never hangs.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -28,40 +29,62 @@ from kvsnap.errors import Conflict, InvalidArgument, NotFound, Unavailable
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
-_CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return -2 end
-redis.call('DEL', KEYS[2])
-if ARGV[2] ~= '' then redis.call('RPUSH', KEYS[2], ARGV[2]) end
-redis.call('HSET', KEYS[1], 'version', 1, unpack(ARGV, 3))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-if ARGV[2] ~= '' then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
-return 1
+# KEYS: 1 entry hash, 2 token log, 3 message log.  Every script re-applies the TTL to all three.
+_TTL = """
+for i = 1, 3 do
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+end
 """
 
-_COMMIT = """
+# ARGV: ttl, token chunk, message chunk, field/value pairs...
+_CREATE = (
+    """
+if redis.call('EXISTS', KEYS[1]) == 1 then return -2 end
+redis.call('DEL', KEYS[2], KEYS[3])
+if ARGV[2] ~= '' then redis.call('RPUSH', KEYS[2], ARGV[2]) end
+if ARGV[3] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[3]) end
+redis.call('HSET', KEYS[1], 'version', 1, unpack(ARGV, 4))
+"""
+    + _TTL
+    + """
+return 1
+"""
+)
+
+# ARGV: ttl, expected version, token chunk, message chunk, field/value pairs...
+_COMMIT = (
+    """
 local v = redis.call('HGET', KEYS[1], 'version')
 if not v then return -1 end
 if tonumber(v) ~= tonumber(ARGV[2]) then return -2 end
 if ARGV[3] ~= '' then redis.call('RPUSH', KEYS[2], ARGV[3]) end
+if ARGV[4] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[4]) end
 local nv = tonumber(v) + 1
-redis.call('HSET', KEYS[1], 'version', nv, unpack(ARGV, 4))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
+redis.call('HSET', KEYS[1], 'version', nv, unpack(ARGV, 5))
+"""
+    + _TTL
+    + """
 return nv
 """
+)
 
 # Re-register a session a worker holds: write it back when the entry is gone (Redis
 # restarted empty) or older than the worker's copy (turns served while Redis was down).
-_RESTORE = """
+# ARGV: ttl, version, whole token log, whole message log, field/value pairs...
+_RESTORE = (
+    """
 local v = redis.call('HGET', KEYS[1], 'version')
 if v and tonumber(v) >= tonumber(ARGV[2]) then return 0 end
-redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 if ARGV[3] ~= '' then redis.call('RPUSH', KEYS[2], ARGV[3]) end
-redis.call('HSET', KEYS[1], 'version', ARGV[2], unpack(ARGV, 4))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-if ARGV[3] ~= '' then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
+if ARGV[4] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[4]) end
+redis.call('HSET', KEYS[1], 'version', ARGV[2], unpack(ARGV, 5))
+"""
+    + _TTL
+    + """
 return 1
 """
+)
 
 
 @dataclass(slots=True)
@@ -119,6 +142,10 @@ def unpack_tokens(chunks: list[bytes]) -> list[int]:
     return packed.tolist()
 
 
+def _pack_messages(messages: list[dict] | None) -> str:
+    return json.dumps(messages) if messages else ""
+
+
 def check_id(kind: str, value: str) -> str:
     if not isinstance(value, str) or not ID_PATTERN.match(value):
         raise InvalidArgument(f"{kind} must be 1-128 characters of A-Z a-z 0-9 . _ : -, got {value!r}")
@@ -159,9 +186,19 @@ class SessionDirectory:
     def log_key(self, tenant: str, session_id: str) -> str:
         return f"{self.prefix}:t:{check_id('tenant', tenant)}:{check_id('session id', session_id)}"
 
+    def messages_key(self, tenant: str, session_id: str) -> str:
+        return f"{self.prefix}:m:{check_id('tenant', tenant)}:{check_id('session id', session_id)}"
+
+    def export_key(self, tenant: str, session_id: str) -> str:
+        return f"{self.prefix}:x:{check_id('tenant', tenant)}:{check_id('session id', session_id)}"
+
     def session_keys(self, tenant: str, session_id: str) -> list[str]:
-        """Every key a session owns (TTL applies to all of them)."""
-        return [self.session_key(tenant, session_id), self.log_key(tenant, session_id)]
+        """Every key a session owns (TTL applies to all of them; a short-lived KV export may join them)."""
+        return [
+            self.session_key(tenant, session_id),
+            self.log_key(tenant, session_id),
+            self.messages_key(tenant, session_id),
+        ]
 
     # -- calls ---------------------------------------------------------------------------
     def _call(self, fn, *args, **kwargs):
@@ -177,7 +214,7 @@ class SessionDirectory:
     def ping(self) -> bool:
         return bool(self._call(self.client.ping))
 
-    def create(self, entry: SessionEntry, tokens: list[int]) -> SessionEntry:
+    def create(self, entry: SessionEntry, tokens: list[int], messages: list[dict] | None = None) -> SessionEntry:
         """Register a new session at version 1 with its first tokens; Conflict if the id is taken."""
         now = time.time()
         entry.created = entry.created or now
@@ -185,7 +222,9 @@ class SessionDirectory:
         entry.log_len = len(tokens)
         keys = self.session_keys(entry.tenant, entry.session_id)
         result = self._call(
-            self._create, keys=keys, args=[self.session_ttl_s, pack_tokens(tokens), *entry.fields_flat()]
+            self._create,
+            keys=keys,
+            args=[self.session_ttl_s, pack_tokens(tokens), _pack_messages(messages), *entry.fields_flat()],
         )
         if result == -2:
             raise Conflict(f"session {entry.session_id!r} already exists")
@@ -205,7 +244,14 @@ class SessionDirectory:
     def tokens(self, tenant: str, session_id: str) -> list[int]:
         return unpack_tokens(self._call(self.client.lrange, self.log_key(tenant, session_id), 0, -1))
 
-    def commit(self, entry: SessionEntry, expected_version: int, new_tokens: list[int]) -> SessionEntry:
+    def messages(self, tenant: str, session_id: str) -> list[dict]:
+        """The session's message log (what the HTTP / OpenAI APIs sent and answered), oldest first."""
+        chunks = self._call(self.client.lrange, self.messages_key(tenant, session_id), 0, -1)
+        return [m for chunk in chunks for m in json.loads(chunk)]
+
+    def commit(
+        self, entry: SessionEntry, expected_version: int, new_tokens: list[int], new_messages: list[dict] | None = None
+    ) -> SessionEntry:
         """Compare-and-set: write ``entry`` and append ``new_tokens`` iff the stored version is
         ``expected_version``. Raises Conflict when another writer got there first, NotFound when gone."""
         entry.last_used = time.time()
@@ -213,7 +259,13 @@ class SessionDirectory:
         result = self._call(
             self._commit,
             keys=self.session_keys(entry.tenant, entry.session_id),
-            args=[self.session_ttl_s, expected_version, pack_tokens(new_tokens), *entry.fields_flat()],
+            args=[
+                self.session_ttl_s,
+                expected_version,
+                pack_tokens(new_tokens),
+                _pack_messages(new_messages),
+                *entry.fields_flat(),
+            ],
         )
         if result == -1:
             raise NotFound(f"session {entry.session_id!r} not found")
@@ -225,24 +277,53 @@ class SessionDirectory:
         entry.version = int(result)
         return entry
 
-    def restore(self, entry: SessionEntry, tokens: list[int]) -> bool:
+    def restore(self, entry: SessionEntry, tokens: list[int], messages: list[dict] | None = None) -> bool:
         """Write back a session a worker holds if Redis lost it or has an older version. True if written."""
         entry.log_len = len(tokens)
         written = self._call(
             self._restore,
             keys=self.session_keys(entry.tenant, entry.session_id),
-            args=[self.session_ttl_s, entry.version, pack_tokens(tokens), *entry.fields_flat()],
+            args=[
+                self.session_ttl_s,
+                entry.version,
+                pack_tokens(tokens),
+                _pack_messages(messages),
+                *entry.fields_flat(),
+            ],
         )
         return bool(written)
 
     def delete(self, tenant: str, session_id: str) -> bool:
-        return bool(self._call(self.client.delete, *self.session_keys(tenant, session_id)))
+        keys = [*self.session_keys(tenant, session_id), self.export_key(tenant, session_id)]
+        return bool(self._call(self.client.delete, *keys))
+
+    # -- KV hand-over between workers (drain) ----------------------------------------------
+    def put_export(self, tenant: str, session_id: str, data: bytes, ttl_s: int = 600) -> None:
+        self._call(self.client.set, self.export_key(tenant, session_id), data, ex=ttl_s)
+
+    def take_export(self, tenant: str, session_id: str) -> bytes | None:
+        return self._call(self.client.getdel, self.export_key(tenant, session_id))
 
     # -- workers -------------------------------------------------------------------------
     def heartbeat(self, worker_id: str, epoch: int) -> None:
         self._call(
             self.client.set, f"{self.prefix}:w:{check_id('worker id', worker_id)}", epoch, ex=self.heartbeat_ttl_s
         )
+
+    def publish_load(self, worker_id: str, stats: dict) -> None:
+        """A worker's current numbers (KV bytes per tier, counters) for /metrics; expires with the heartbeat."""
+        self._call(
+            self.client.set,
+            f"{self.prefix}:load:{check_id('worker id', worker_id)}",
+            json.dumps(stats),
+            ex=self.heartbeat_ttl_s,
+        )
+
+    def loads(self) -> dict[str, dict]:
+        keys = self._call(lambda: list(self.client.scan_iter(match=f"{self.prefix}:load:*", count=100)))
+        values = self._call(self.client.mget, keys) if keys else []
+        prefix = len(f"{self.prefix}:load:")
+        return {k.decode()[prefix:]: json.loads(v) for k, v in zip(keys, values, strict=True) if v}
 
     def worker_alive(self, worker_id: str, epoch: int) -> bool:
         value = self._call(self.client.get, f"{self.prefix}:w:{check_id('worker id', worker_id)}")

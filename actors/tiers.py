@@ -13,6 +13,7 @@ Host and disk copies carry a checksum; a mismatch or a truncated file is a miss
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save
 
 from kvsnap.policies import LRU
 
@@ -54,6 +55,37 @@ class KVBlob:
         if pin:
             moved = [t.pin_memory() for t in moved]
         return KVBlob(moved, self.logical_len, self.version, self.checksum)
+
+
+def blob_to_bytes(blob: KVBlob) -> bytes:
+    """A self-checking serialisation (safetensors + checksum in its metadata): disk tier and hand-over."""
+    tensors = {f"t{i}": t.detach().contiguous().cpu() for i, t in enumerate(blob.tensors)}
+    meta = {
+        "logical_len": str(blob.logical_len),
+        "version": str(blob.version),
+        "n": str(len(tensors)),
+        "checksum": blob.compute_checksum(),
+    }
+    return save(tensors, metadata=meta)
+
+
+def blob_from_bytes(data: bytes) -> KVBlob:
+    """Inverse of :func:`blob_to_bytes`; raises ValueError on a truncated, garbled or mismatching blob."""
+    try:
+        header_len = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8 : 8 + header_len])["__metadata__"]
+        loaded = load(data)
+        blob = KVBlob(
+            [loaded[f"t{i}"] for i in range(int(meta["n"]))],
+            int(meta["logical_len"]),
+            int(meta["version"]),
+            meta["checksum"],
+        )
+    except Exception as exc:
+        raise ValueError(f"unreadable KV blob: {exc}") from exc
+    if blob.compute_checksum() != blob.checksum:
+        raise ValueError("KV blob checksum mismatch")
+    return blob
 
 
 class Tier:
@@ -161,37 +193,16 @@ class DiskTier(Tier):
         )
 
     def _store(self, key, blob):
-        tensors = {f"t{i}": t.detach().contiguous().cpu() for i, t in enumerate(blob.tensors)}
-        meta = {
-            "logical_len": str(blob.logical_len),
-            "version": str(blob.version),
-            "n": str(len(tensors)),
-            "checksum": blob.compute_checksum(),
-        }
         tmp = self.path(key).with_suffix(".tmp")
-        save_file(tensors, str(tmp), metadata=meta)
+        tmp.write_bytes(blob_to_bytes(blob))
         tmp.replace(self.path(key))
 
     def _load(self, key):
         try:
-            from safetensors import safe_open
-
-            with safe_open(str(self.path(key)), framework="pt") as fh:
-                meta = fh.metadata()
-            loaded = load_file(str(self.path(key)))
-            blob = KVBlob(
-                [loaded[f"t{i}"] for i in range(int(meta["n"]))],
-                int(meta["logical_len"]),
-                int(meta["version"]),
-                meta["checksum"],
-            )
-        except Exception as exc:  # truncated / garbled file: a miss, never loaded
-            log.warning("disk tier: unreadable blob for %s (%s); treating as a miss", key, exc)
+            return blob_from_bytes(self.path(key).read_bytes())
+        except (OSError, ValueError) as exc:
+            log.warning("disk tier: bad blob for %s (%s); treating as a miss", key, exc)
             return None
-        if blob.compute_checksum() != blob.checksum:
-            log.warning("disk tier: checksum mismatch for %s; treating as a miss", key)
-            return None
-        return blob
 
     def _delete(self, key):
         self.path(key).unlink(missing_ok=True)

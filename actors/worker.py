@@ -33,7 +33,7 @@ from .directory import SessionDirectory, SessionEntry, check_id
 from .engine import Engine, TurnResult, TurnStream
 from .sampling import SamplingParams
 from .session import Session
-from .tiers import KVBlob, TieredStore
+from .tiers import KVBlob, TieredStore, blob_from_bytes, blob_to_bytes
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class Held:
 
     entry: SessionEntry  # as last committed (or to be replayed, when ``dirty``)
     transcript: list[int]
+    messages: list[dict]  # the message log (HTTP / OpenAI APIs), for re-registration
     dirty: bool = False  # committed locally while Redis was unreachable
 
 
@@ -60,6 +61,7 @@ class Worker:
         self._busy_lock = threading.Lock()
         self._lock = threading.RLock()  # one model: turns run one at a time
         self._stop = threading.Event()
+        self.draining = False
         try:
             self.heartbeat()
         except Unavailable:
@@ -74,12 +76,13 @@ class Worker:
         policy: Policy,
         recompress: str = "per_turn",
         sampling: SamplingParams | None = None,
+        **msglog,
     ) -> TurnResult:
         """Create a session from its first tokens (a document), optionally generating an answer."""
-        return self._collect(self.open_stream(tenant, session_id, tokens, policy, recompress, sampling))
+        return self._collect(self.open_stream(tenant, session_id, tokens, policy, recompress, sampling, **msglog))
 
-    def turn(self, tenant: str, session_id: str, tokens: list[int], sampling: SamplingParams) -> TurnResult:
-        return self._collect(self.turn_stream(tenant, session_id, tokens, sampling))
+    def turn(self, tenant: str, session_id: str, tokens: list[int], sampling: SamplingParams, **msglog) -> TurnResult:
+        return self._collect(self.turn_stream(tenant, session_id, tokens, sampling, **msglog))
 
     def open_stream(
         self,
@@ -89,7 +92,11 @@ class Worker:
         policy: Policy,
         recompress: str = "per_turn",
         sampling: SamplingParams | None = None,
+        log_messages: list[dict] | None = None,
+        answer_role: str | None = None,
     ) -> TurnStream:
+        """``log_messages`` are appended to the session's message log with the turn, followed by
+        ``{"role": answer_role, "content": <the generated text>}`` when ``answer_role`` is set."""
         key = self._key(tenant, session_id)
         session = self.engine.new_session(policy, recompress, session_id)
         entry = SessionEntry(
@@ -105,15 +112,35 @@ class Worker:
             if self.directory.get(tenant, session_id) is not None:
                 raise Conflict(f"session {session_id!r} already exists")
             self.directory.create(entry, [])  # version 1, empty log: the first commit carries the tokens
-        return self._wrap(key, entry, session, stream, source="new")
+        return self._wrap(key, entry, session, stream, "new", (log_messages or [], answer_role))
 
-    def turn_stream(self, tenant: str, session_id: str, tokens: list[int], sampling: SamplingParams) -> TurnStream:
+    def turn_stream(
+        self,
+        tenant: str,
+        session_id: str,
+        tokens: list[int],
+        sampling: SamplingParams,
+        log_messages: list[dict] | None = None,
+        answer_role: str | None = None,
+    ) -> TurnStream:
         key = self._key(tenant, session_id)
         with self._claim(key):
+            if self.draining:
+                raise Unavailable("worker is draining; retry (the session moves to another worker)")
             entry = self._entry(tenant, session_id, key)
             session, source = self._load(key, entry)
             stream = self.engine.stream(session, tokens, sampling)
-        return self._wrap(key, entry, session, stream, source)
+        return self._wrap(key, entry, session, stream, source, (log_messages or [], answer_role))
+
+    def messages(self, tenant: str, session_id: str) -> list[dict]:
+        """The session's message log; this worker's copy while Redis is down."""
+        key = self._key(tenant, session_id)
+        try:
+            return self.directory.messages(tenant, session_id)
+        except Unavailable:
+            if key in self.held:
+                return list(self.held[key].messages)
+            raise
 
     def state(self, tenant: str, session_id: str) -> SessionEntry:
         key = self._key(tenant, session_id)
@@ -134,6 +161,7 @@ class Worker:
         """Refresh this worker's heartbeat; re-register held sessions Redis lost or missed."""
         alive = self.directory.worker_alive(self.worker_id, self.epoch)
         self.directory.heartbeat(self.worker_id, self.epoch)
+        self.directory.publish_load(self.worker_id, self.stats())
         self._expire_idle()
         with self._lock:
             todo = [k for k, h in self.held.items() if h.dirty or not alive]
@@ -156,6 +184,40 @@ class Worker:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def drain(self) -> int:
+        """Stop taking turns and hand every held session's KV over through Redis, so the
+        replicas that get these sessions next import the KV instead of re-prefilling.
+        Returns how many sessions were exported."""
+        self.draining = True
+        exported = 0
+        with self._lock:
+            for key, held in list(self.held.items()):
+                blob = self.store.get(key)
+                if blob is None or blob.version != held.entry.version or held.dirty:
+                    continue  # nothing trustworthy to hand over: the next worker rebuilds from the log
+                try:
+                    self.directory.put_export(held.entry.tenant, held.entry.session_id, blob_to_bytes(blob))
+                    exported += 1
+                except Unavailable:
+                    break
+                self.store.discard(key)
+                self.held.pop(key)
+        self.counters["exported"] += exported
+        log.info("worker %s drained: %d sessions exported", self.worker_id, exported)
+        return exported
+
+    def _import(self, entry: SessionEntry) -> KVBlob | None:
+        """A KV blob handed over by a draining worker, if it is of this entry's version."""
+        data = self.directory.take_export(entry.tenant, entry.session_id)
+        if data is None:
+            return None
+        try:
+            blob = blob_from_bytes(data)
+        except ValueError as exc:
+            log.warning("hand-over blob of %s unusable (%s); rebuilding", entry.session_id, exc)
+            return None
+        return blob if blob.version == entry.version and blob.logical_len == entry.logical_len else None
 
     # -- the steps -----------------------------------------------------------------------
     def _entry(self, tenant: str, session_id: str, key: str) -> SessionEntry:
@@ -193,6 +255,17 @@ class Worker:
                 session.turns = entry.turns
                 self.counters[f"hit_{tier}"] += 1
                 return session, tier
+            if entry.owner and entry.owner != self.worker_id:
+                self.counters["moves_in"] += 1
+                log.info("session %s moves from worker %s to %s", key, entry.owner, self.worker_id)
+            imported = self._import(entry)
+            if imported is not None:
+                session.cache = import_kv(self.engine.model.config, imported.tensors, imported.logical_len)
+                session.logical_len = imported.logical_len
+                session.transcript = self.directory.tokens(entry.tenant, entry.session_id)
+                session.turns = entry.turns
+                self.counters["imports"] += 1
+                return session, "imported"
             transcript = held.transcript if held and held.entry.version == entry.version else None
             if transcript is None:
                 transcript = self.directory.tokens(entry.tenant, entry.session_id)
@@ -206,20 +279,34 @@ class Worker:
             self.counters["rebuilds"] += 1
             return session, "rebuilt"
 
-    def _wrap(self, key: str, entry: SessionEntry, session: Session, stream: TurnStream, source: str) -> TurnStream:
+    def _wrap(
+        self,
+        key: str,
+        entry: SessionEntry,
+        session: Session,
+        stream: TurnStream,
+        source: str,
+        msglog: tuple[list[dict], str | None],
+    ) -> TurnStream:
         """Run ``stream`` under the worker lock and commit when it ends (also when closed early)."""
         out = TurnStream(finish_reason=stream.finish_reason, source=source)
-        out.tokens = self._run(key, entry, session, stream, out)
+        out.tokens = self._run(key, entry, session, stream, out, msglog)
         return out
 
     def _run(
-        self, key: str, entry: SessionEntry, session: Session, stream: TurnStream, out: TurnStream
+        self,
+        key: str,
+        entry: SessionEntry,
+        session: Session,
+        stream: TurnStream,
+        out: TurnStream,
+        msglog: tuple[list[dict], str | None],
     ) -> Iterator[int]:
         with self._claim(key), self._lock:
             try:
                 yield from stream
             except GeneratorExit:  # the client went away: keep what was generated
-                self._finish(key, entry, session, stream, out)
+                self._finish(key, entry, session, stream, out, msglog)
                 raise
             except BaseException:  # the turn broke half way: its KV is not trusted, the log is
                 self.store.discard(key)
@@ -227,13 +314,25 @@ class Worker:
                 if out.source == "new":
                     self.directory.delete(entry.tenant, entry.session_id)
                 raise
-            self._finish(key, entry, session, stream, out)
+            self._finish(key, entry, session, stream, out, msglog)
 
-    def _finish(self, key: str, entry: SessionEntry, session: Session, stream: TurnStream, out: TurnStream) -> None:
+    def _finish(
+        self,
+        key: str,
+        entry: SessionEntry,
+        session: Session,
+        stream: TurnStream,
+        out: TurnStream,
+        msglog: tuple[list[dict], str | None],
+    ) -> None:
         out.finish_reason, out.report = stream.finish_reason, stream.report
-        self._commit(key, entry, session)
+        messages, answer_role = msglog
+        if answer_role:
+            generated = session.transcript[len(session.transcript) - out.report.generated_tokens :]
+            messages = [*messages, {"role": answer_role, "content": self.engine.decode(generated)}]
+        self._commit(key, entry, session, messages)
 
-    def _commit(self, key: str, entry: SessionEntry, session: Session) -> None:
+    def _commit(self, key: str, entry: SessionEntry, session: Session, messages: list[dict]) -> None:
         expected = entry.version
         logged = entry.log_len
         updated = _copy(entry)
@@ -242,8 +341,10 @@ class Worker:
         updated.kv_bytes, updated.turns = session.kv_bytes, session.turns
         blob = KVBlob(export_kv(session.cache), session.logical_len, version=expected + 1)
         updated.tier = self.store.put(key, blob) or "dropped"
+        held = self.held.get(key)
+        all_messages = (held.messages if held and held.entry.version == expected else []) + messages
         try:
-            self.directory.commit(updated, expected, session.transcript[logged:])
+            self.directory.commit(updated, expected, session.transcript[logged:], messages)
         except Conflict:
             self.store.discard(key)
             self.held.pop(key, None)
@@ -252,10 +353,10 @@ class Worker:
         except Unavailable:
             updated.version = expected + 1
             updated.log_len = len(session.transcript)
-            self.held[key] = Held(updated, list(session.transcript), dirty=True)
+            self.held[key] = Held(updated, list(session.transcript), all_messages, dirty=True)
             log.warning("commit of %s deferred: Redis unavailable", key)
             return
-        self.held[key] = Held(updated, list(session.transcript))
+        self.held[key] = Held(updated, list(session.transcript), all_messages)
 
     def _resync(self, key: str) -> None:
         with self._lock:
@@ -264,7 +365,7 @@ class Worker:
                 return
             entry = _copy(held.entry)
             entry.tier = self.store.tier_of(key) or "dropped"
-            if self.directory.restore(entry, held.transcript):
+            if self.directory.restore(entry, held.transcript, held.messages):
                 self.counters["resyncs"] += 1
             held.dirty = False
 

@@ -69,24 +69,32 @@ def main() -> None:
         rebuild.append(time.perf_counter() - t0)
 
     summary = {
-        "prompt_tokens": len(prompt), "device_budget_bytes": budget,
-        "kv_bytes_full": blobs["full"].nbytes, "kv_bytes_snapkv": blobs["snapkv"].nbytes,
-        "resident_full": counts["full"], "resident_snapkv": counts["snapkv"],
+        "prompt_tokens": len(prompt),
+        "device_budget_bytes": budget,
+        "kv_bytes_full": blobs["full"].nbytes,
+        "kv_bytes_snapkv": blobs["snapkv"].nbytes,
+        "resident_full": counts["full"],
+        "resident_snapkv": counts["snapkv"],
         "resident_gain": counts["snapkv"] / max(1, counts["full"]),
-        "promote_host_to_device_s": statistics.median(promote), "rebuild_s": statistics.median(rebuild),
+        "promote_host_to_device_s": statistics.median(promote),
+        "rebuild_s": statistics.median(rebuild),
     }
     summary["promote_speedup"] = summary["rebuild_s"] / summary["promote_host_to_device_s"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "device": str(engine.device), "summary": summary},
-                                         indent=2))
-    print(f"\n{args.model}, {len(prompt)} prompt tokens, device tier {args.device_mib} MiB, "
-          f"SnapKV budget {args.budget}")
-    print(f"KV per session: full {blobs['full'].nbytes / 2**20:.2f} MiB, "
-          f"SnapKV {blobs['snapkv'].nbytes / 2**20:.2f} MiB")
-    print(f"sessions resident: full {counts['full']}, SnapKV {counts['snapkv']} "
-          f"({summary['resident_gain']:.2f}x)")
-    print(f"promote host->device {summary['promote_host_to_device_s'] * 1e3:.1f} ms vs rebuild "
-          f"{summary['rebuild_s'] * 1e3:.0f} ms ({summary['promote_speedup']:.0f}x faster), median of {args.reps}")
+    Path(args.out).write_text(
+        json.dumps({"args": vars(args), "device": str(engine.device), "summary": summary}, indent=2)
+    )
+    print(
+        f"\n{args.model}, {len(prompt)} prompt tokens, device tier {args.device_mib} MiB, SnapKV budget {args.budget}"
+    )
+    print(
+        f"KV per session: full {blobs['full'].nbytes / 2**20:.2f} MiB, SnapKV {blobs['snapkv'].nbytes / 2**20:.2f} MiB"
+    )
+    print(f"sessions resident: full {counts['full']}, SnapKV {counts['snapkv']} ({summary['resident_gain']:.2f}x)")
+    print(
+        f"promote host->device {summary['promote_host_to_device_s'] * 1e3:.1f} ms vs rebuild "
+        f"{summary['rebuild_s'] * 1e3:.0f} ms ({summary['promote_speedup']:.0f}x faster), median of {args.reps}"
+    )
 
 
 if __name__ == "__main__":

@@ -61,3 +61,9 @@ class PayloadTooLarge(KvsnapError):
     """Request body or prompt exceeds the configured maximum (413 / INVALID_ARGUMENT)."""
 
     kind = "payload_too_large"
+
+
+class DeadlineExceeded(KvsnapError):
+    """The request ran past its timeout (504 / DEADLINE_EXCEEDED)."""
+
+    kind = "deadline_exceeded"

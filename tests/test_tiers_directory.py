@@ -207,8 +207,15 @@ def test_concurrent_updates_exactly_one_wins(directory_factory):
 def test_ttl_expiry_removes_every_key_of_an_idle_session(llama_engine, directory_factory):
     directory = directory_factory(session_ttl_s=1)
     worker = make_worker(llama_engine, directory)
-    worker.open("acme", "idle", random_tokens(20, seed=1), FULL, sampling=SAMPLING)
-    keys = directory.session_keys("acme", "idle")
+    worker.open(
+        "acme",
+        "idle",
+        random_tokens(20, seed=1),
+        FULL,
+        sampling=SAMPLING,
+        log_messages=[{"role": "document", "content": "..."}],
+    )
+    keys = directory.session_keys("acme", "idle")  # entry, token log, message log
     assert all(directory.client.exists(k) for k in keys)
     assert all(0 < directory.client.pttl(k) <= 1000 for k in keys)
     time.sleep(1.3)
@@ -240,3 +247,34 @@ def test_second_concurrent_turn_conflicts_and_open_twice_conflicts(llama_engine,
     assert entry.turns == 2 and entry.log_len == 20 + 2 + 1
     with pytest.raises(Conflict, match="already exists"):
         worker.open("acme", "s", random_tokens(20, seed=2), FULL)
+
+
+def test_drained_worker_hands_its_kv_over(llama_engine, directory_factory):
+    directory = directory_factory()
+    old, new = make_worker(llama_engine, directory, "old"), make_worker(llama_engine, directory, "new")
+    conv = conversation(3)
+    first = old.open("acme", "s", conv[0], FULL, sampling=SAMPLING).tokens
+    assert old.drain() == 1
+    with pytest.raises(Unavailable, match="draining"):
+        old.turn("acme", "s", conv[1], SAMPLING)
+    second = new.turn("acme", "s", conv[1], SAMPLING)
+    assert second.source == "imported" and new.counters["moves_in"] == 1
+    assert [first, second.tokens] == reference(llama_engine, conv)
+    assert directory.get("acme", "s").owner == "new"
+
+
+def test_message_log_follows_the_turns(llama_engine, directory_factory):
+    worker = make_worker(llama_engine, directory_factory())
+    doc = [{"role": "system", "content": "a document"}, {"role": "user", "content": "q1"}]
+    first = worker.open(
+        "acme", "s", random_tokens(20, seed=1), FULL, sampling=SAMPLING, log_messages=doc, answer_role="assistant"
+    )
+    second = worker.turn(
+        "acme", "s", [7, 8], SAMPLING, log_messages=[{"role": "user", "content": "q2"}], answer_role="assistant"
+    )
+    assert worker.messages("acme", "s") == [
+        *doc,
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": second.text},
+    ]
