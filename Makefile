@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.kvsnap-installed
 TORCH   ?= torch==2.13.0
 ARGS    ?=
 
-.PHONY: install run test test-fast lint bench clean
+.PHONY: install run generate test test-fast lint bench proto clean
 
 install: $(STAMP)
 
@@ -18,10 +18,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/python -m kvsnap.service.grpc_stubs >/dev/null
 	touch $(STAMP)
 
-run: $(STAMP)  ## generate over a long prompt on the embedded Gemma 3 270M
-	$(BIN)/kvsnap generate $(ARGS)
+run: $(STAMP)  ## the service: local Ray, embedded Redis, embedded Gemma 3 270M; Ctrl-C stops it
+	$(BIN)/kvsnap serve $(ARGS)
 
 test: $(STAMP)  ## the whole test suite, as CI runs it
 	$(BIN)/python -m pytest -q $(ARGS)
@@ -38,3 +39,9 @@ bench: $(STAMP)  ## engine benchmark on the embedded model (minutes on 2 CPU cor
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+
+generate: $(STAMP)  ## one in-process session over a long pass-key prompt (no Ray, no Redis)
+	$(BIN)/kvsnap generate $(ARGS)
+
+proto: $(STAMP)  ## (re)generate the gRPC stubs from proto/kvsnap.proto
+	$(BIN)/python -m kvsnap.service.grpc_stubs

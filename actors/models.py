@@ -168,3 +168,16 @@ def _embedded_gemma_dir() -> tuple[str, str | None]:
 def _fingerprint(name: str, gguf_file: str | None, model: torch.nn.Module) -> str:
     digest = hashlib.sha256(f"{name}|{gguf_file}|{model.config.to_json_string()}".encode()).hexdigest()
     return f"{Path(name).name}-{digest[:12]}"
+
+
+def tokenizer_for(name: str = DEFAULT_MODEL, gguf_file: str | None = None):
+    """Just the tokenizer of ``name`` (the ingress tokenizes; it holds no model)."""
+    if name in TINY_PRESETS:
+        return ByteTokenizer()
+    if name == DEFAULT_MODEL:
+        name, gguf_file = _embedded_gemma_dir()
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        return AutoTokenizer.from_pretrained(name, **kwargs)
+    except OSError as exc:
+        raise InvalidArgument(f"cannot load the tokenizer of {name!r}: {exc}") from exc

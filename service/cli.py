@@ -84,6 +84,132 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Local Ray, embedded Redis (unless KVSNAP_REDIS_URL), the app; foreground until Ctrl-C."""
+    import signal
+    import threading
+    from pathlib import Path
+
+    from kvsnap.actors.redis_server import redis_url_or_embedded
+    from kvsnap.service.config import ServiceConfig
+
+    overrides = {
+        "model": args.model,
+        "replicas": args.replicas,
+        "http_port": args.http_port,
+        "grpc_port": args.grpc_port,
+        "http_host": args.host,
+        "data_dir": args.data_dir,
+    }
+    cfg, generated_key = ServiceConfig.from_env(**overrides).with_generated_key()
+    redis_url, embedded = redis_url_or_embedded(Path(cfg.data_dir) / "redis")
+    print(f"redis: {'embedded at ' + redis_url if embedded else 'KVSNAP_REDIS_URL'}", flush=True)
+    try:
+        import ray
+        from ray import serve
+
+        from kvsnap.service.app import APP_NAME, build_app
+
+        cpus = max(2, int(cfg.replicas * cfg.cpus_per_replica + 0.999))
+        ray.init(num_cpus=cpus, include_dashboard=False, configure_logging=True, logging_level="WARNING")
+        serve.start(http_options={"host": cfg.http_host, "port": cfg.http_port})
+        print(
+            f"loading {cfg.model!r} on {cfg.replicas} replica(s); the first run converts the embedded model "
+            "once (about a minute)...",
+            flush=True,
+        )
+        serve.run(build_app(cfg, redis_url), name=APP_NAME, route_prefix="/")
+        print(f"\nkvsnap is serving\n  HTTP  http://{cfg.http_host}:{cfg.http_port}  (OpenAPI: /docs)")
+        if cfg.grpc_port:
+            print(f"  gRPC  {cfg.http_host}:{cfg.grpc_port}  (reflection on)")
+        if generated_key:
+            print(f"  API key (tenant 'default'): {generated_key}")
+        else:
+            print(f"  API keys: {len(cfg.api_keys)} configured")
+        print("Ctrl-C stops everything.", flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            pass
+        print("\nshutting down...", flush=True)
+        serve.shutdown()
+        ray.shutdown()
+    finally:
+        if embedded:
+            embedded.stop()
+    return 0
+
+
+def _http(method: str, url: str, key: str, body: dict | None = None):
+    import http.client
+    import json
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=600)
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    conn.request(method, parts.path, body=json.dumps(body) if body is not None else None, headers=headers)
+    response = conn.getresponse()
+    if response.status >= 400:
+        detail = json.loads(response.read() or b"{}").get("error", {}).get("message", response.reason)
+        raise SystemExit(f"kvsnap: {response.status}: {detail}")
+    return response
+
+
+def cmd_chat(args) -> int:
+    """An interactive multi-turn client against a running service (document from a file)."""
+    import json
+    import os
+
+    key = args.api_key or os.environ.get("KVSNAP_API_KEY")
+    if not key:
+        raise SystemExit("kvsnap chat: pass --api-key or set KVSNAP_API_KEY (kvsnap serve prints one)")
+    with open(args.document, encoding="utf-8") as fh:
+        document = fh.read()
+    settings = {"policy": args.policy, "budget": args.budget, "window": args.window}
+    print(f"prefilling the document ({len(document)} characters)...", flush=True)
+    state = json.loads(
+        _http("POST", f"{args.url}/v1/sessions", key, {"document": document, "settings": settings}).read()
+    )
+    sid = state["session_id"]
+    print(
+        f"session {sid}: {state['logical_len']} tokens seen, {state['kept_len']} kept per full layer "
+        f"({state['kv_bytes'] / 2**20:.2f} MiB). Ask away; /state shows the session, /quit ends."
+    )
+    while True:
+        try:
+            line = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line in ("/quit", "/exit"):
+            return 0
+        if line == "/state":
+            print(json.loads(_http("GET", f"{args.url}/v1/sessions/{sid}", key).read()))
+            continue
+        if not line:
+            continue
+        body = {"message": line, "max_tokens": args.max_tokens, "stream": True}
+        response = _http("POST", f"{args.url}/v1/sessions/{sid}/turns", key, body)
+        print("kvsnap> ", end="", flush=True)
+        for raw in response:
+            if not raw.startswith(b"data: "):
+                continue
+            event = json.loads(raw[6:])
+            if "text" in event and "state" not in event:
+                print(event["text"], end="", flush=True)
+            elif "error" in event:
+                print(f"\n[error: {event['error']['message']}]")
+            else:
+                print(
+                    f"\n[{event['prompt_tokens']} new tokens prefilled, KV from {event['source']} on "
+                    f"{event['worker']}, {event['state']['kept_len']} rows kept]"
+                )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvsnap", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -107,6 +233,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-chunk", type=int, default=1024, help="tokens per prefill forward pass")
     _add_policy_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="run the service: local Ray, embedded Redis, HTTP + gRPC")
+    srv.add_argument("--model", default=None, help="default gemma3-270m (or KVSNAP_MODEL)")
+    srv.add_argument("--replicas", type=int, default=None, help="worker replicas (default 2)")
+    srv.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    srv.add_argument("--http-port", type=int, default=None, help="default 8000")
+    srv.add_argument("--grpc-port", type=int, default=None, help="default 9000; 0 disables gRPC")
+    srv.add_argument("--data-dir", default=None, help="embedded Redis data and disk tier (default .kvsnap)")
+    srv.set_defaults(func=cmd_serve)
+
+    chat = sub.add_parser("chat", help="interactive multi-turn client against a running service")
+    chat.add_argument("document", help="file whose text opens the session")
+    chat.add_argument("--url", default="http://127.0.0.1:8000")
+    chat.add_argument("--api-key", default=None, help="or KVSNAP_API_KEY")
+    chat.add_argument("--policy", default="snapkv")
+    chat.add_argument("--budget", type=int, default=512)
+    chat.add_argument("--window", type=int, default=32)
+    chat.add_argument("--max-tokens", type=int, default=128)
+    chat.set_defaults(func=cmd_chat)
     return parser
 
 

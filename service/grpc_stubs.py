@@ -6,6 +6,7 @@ regenerated whenever the .proto file changes (its hash is part of the folder nam
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import sys
@@ -29,10 +30,8 @@ def _generate() -> Path:
         )
         if code != 0:
             raise RuntimeError(f"protoc failed on {PROTO} (exit {code})")
-        try:
+        with contextlib.suppress(OSError):  # another process generated it concurrently
             tmp.rename(out)
-        except OSError:  # generated concurrently by another process
-            pass
     return out
 
 

@@ -49,3 +49,54 @@ def directory_factory(redis_server, request):
         return SessionDirectory(url or redis_server.url, prefix=prefix, **kwargs)
 
     return make
+
+
+API_KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
+
+
+class RunningService:
+    """A real local Ray Serve app (tiny-llama, 2 replicas) with HTTP and gRPC clients' addresses."""
+
+    def __init__(self, cfg, redis_url):
+        self.cfg = cfg
+        self.redis_url = redis_url
+        self.http = f"http://127.0.0.1:{cfg.http_port}"
+        self.grpc = f"127.0.0.1:{cfg.grpc_port}"
+
+    def headers(self, key: str = "key-alpha") -> dict:
+        return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="session")
+def service(redis_server, tmp_path_factory):
+    """One local Ray + Serve app for the whole test run (Ray takes many seconds to start)."""
+    import ray
+    from ray import serve
+
+    from kvsnap.actors.redis_server import free_port
+    from kvsnap.service.app import APP_NAME, build_app
+    from kvsnap.service.config import PolicyDefaults, ServiceConfig
+
+    cfg = ServiceConfig(
+        model="tiny-llama",
+        replicas=2,
+        cpus_per_replica=1,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        api_keys=API_KEYS,
+        data_dir=str(tmp_path_factory.mktemp("service")),
+        max_prompt_tokens=3000,
+        max_body_bytes=64 * 1024,
+        max_new_tokens=4000,
+        max_ongoing_requests=2,
+        max_queued_requests=2,
+        overload_queue_len=2,
+        request_timeout_s=60,
+        defaults=PolicyDefaults(budget=48, window=8, kernel=3),
+    )
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": cfg.http_port})
+    serve.run(build_app(cfg, redis_server.url), name=APP_NAME, route_prefix="/")
+    yield RunningService(cfg, redis_server.url)
+    serve.shutdown()
+    ray.shutdown()

@@ -1,0 +1,379 @@
+"""The session API core, shared by HTTP and gRPC: validate, tokenize, route, stream.
+
+Everything a request can get wrong is checked here, before any model work:
+auth happens at the edge, then ids, sizes, settings and sampling parameters. Calls
+go to the worker deployment through a handle tagged with ``"<tenant>/<session>"``,
+which the affinity router turns into "the replica that holds this session".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import ray.exceptions
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+from kvsnap.actors.directory import SessionDirectory, check_id
+from kvsnap.actors.sampling import SamplingParams
+from kvsnap.errors import (
+    Conflict,
+    DeadlineExceeded,
+    InvalidArgument,
+    KvsnapError,
+    NotFound,
+    PayloadTooLarge,
+    ResourceExhausted,
+    Unavailable,
+)
+from kvsnap.policies import make_policy
+
+from .config import ServiceConfig
+from .metrics import Metrics
+from .template import encode_messages
+
+log = logging.getLogger(__name__)
+
+RETRY_WINDOW_S = 30.0  # a replica that died before answering: retry this long (a replacement starts meanwhile)
+RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, DeploymentUnavailableError)
+CHAT_ROLES = {"system", "document", "user", "assistant"}
+RAW_ROLES = {"prompt", "completion"}
+
+
+@dataclass(slots=True)
+class TurnOutcome:
+    """What a finished turn returns to the edge."""
+
+    session_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    prompt_tokens: int = 0
+    worker: str = ""
+    source: str = ""
+    state: dict | None = None
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+class SessionAPI:
+    def __init__(self, cfg: ServiceConfig, workers, tokenizer, directory: SessionDirectory, metrics: Metrics):
+        self.cfg = cfg
+        self.workers = workers
+        self.tokenizer = tokenizer
+        self.directory = directory
+        self.metrics = metrics
+
+    # -- validation (no model work) --------------------------------------------------------
+    def settings(self, given: dict | None, prompt_len: int) -> dict:
+        """Server defaults overlaid with the caller's settings; raises InvalidArgument when bad.
+
+        A server-default window longer than the first prompt shrinks to the prompt; a window
+        the caller asked for is checked by the worker (longer than the prompt: 400)."""
+        explicit = {k: v for k, v in (given or {}).items() if v is not None}
+        merged = self.cfg.defaults.model_dump() | explicit
+        if "window" not in explicit:
+            merged["window"] = max(1, min(merged["window"], prompt_len))
+        recompress = merged.pop("recompress")
+        if recompress not in ("per_turn", "never"):
+            raise InvalidArgument(f"recompress must be 'per_turn' or 'never', got {recompress!r}")
+        name = merged.pop("policy")
+        fields = {"full": ("window",), "streaming": ("window",), "snapkv": ("window", "budget", "kernel", "pooling")}
+        if name not in fields:
+            make_policy(name)  # raises with the list of valid names
+        params = {k: merged[k] for k in fields[name]}
+        make_policy(name, **params)  # validates every parameter
+        return {"policy": name, "recompress": recompress, **params}
+
+    def sampling(self, fields: dict) -> dict:
+        max_tokens = fields.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = fields.get("max_completion_tokens")
+        if max_tokens is None:
+            max_tokens = self.cfg.default_max_tokens
+        if isinstance(max_tokens, int) and max_tokens > self.cfg.max_new_tokens:
+            raise InvalidArgument(f"max_tokens must be <= {self.cfg.max_new_tokens}, got {max_tokens}")
+        stop = fields.get("stop") or ()
+        params = {
+            "max_new_tokens": max_tokens,
+            "temperature": 0.0 if fields.get("temperature") is None else fields["temperature"],
+            "top_p": 1.0 if fields.get("top_p") is None else fields["top_p"],
+            "top_k": fields.get("top_k") or 0,
+            "seed": fields.get("seed"),
+            "stop": (stop,) if isinstance(stop, str) else tuple(stop),
+        }
+        SamplingParams(**params)  # raises InvalidArgument
+        return params
+
+    def tokens(self, messages: list[dict], first: bool) -> list[int]:
+        return self._limit(encode_messages(self.tokenizer, messages, first))
+
+    def raw_tokens(self, text: str, first: bool) -> list[int]:
+        return self._limit(list(self.tokenizer.encode(text, add_special_tokens=first)))
+
+    def _limit(self, ids: list[int]) -> list[int]:
+        if len(ids) > self.cfg.max_prompt_tokens:
+            raise PayloadTooLarge(f"the request adds {len(ids)} tokens; the limit is {self.cfg.max_prompt_tokens}")
+        return ids
+
+    @staticmethod
+    def session_id(given: str | None) -> str:
+        return check_id("session id", given) if given else uuid.uuid4().hex
+
+    # -- operations ----------------------------------------------------------------------
+    async def create(
+        self, tenant: str, session_id: str | None, document: str, settings: dict | None, protocol: str
+    ) -> dict:
+        sid = self.session_id(session_id)
+        if not document:
+            raise InvalidArgument("document is empty")
+        tokens = self.tokens([{"role": "document", "content": document}], first=True)
+        resolved = self.settings(settings, len(tokens))
+        self._check_window(resolved, tokens)
+        outcome = await self._drain(
+            self._stream(
+                "open", tenant, sid, protocol, tokens, resolved, None, [{"role": "document", "content": document}], None
+            )
+        )
+        return state_view(outcome.state)
+
+    def turn(
+        self, tenant: str, session_id: str, message: str, sampling: dict, raw: bool, protocol: str
+    ) -> AsyncIterator[dict]:
+        """Validated before the first event is awaited: errors surface before any model work."""
+        sid = check_id("session id", session_id)
+        if not message:
+            raise InvalidArgument("message is empty")
+        params = self.sampling(sampling)
+        role, answer = ("prompt", "completion") if raw else ("user", "assistant")
+        new = [{"role": role, "content": message}]
+        tokens = self.raw_tokens(message, first=False) if raw else self.tokens(new, first=False)
+        return self._stream("turn", tenant, sid, protocol, tokens, params, new, answer)
+
+    async def get(self, tenant: str, session_id: str) -> dict:
+        entry = await asyncio.to_thread(self.directory.get, tenant, check_id("session id", session_id))
+        if entry is None:
+            raise NotFound(f"session {session_id!r} not found")
+        return state_view(entry_dict(entry))
+
+    async def delete(self, tenant: str, session_id: str) -> None:
+        sid = check_id("session id", session_id)
+        await self._call("delete", tenant, sid, tenant, sid)
+
+    async def drain(self, worker_id: str) -> int:
+        return await self._call("drain", "", f"worker:{check_id('worker id', worker_id)}")
+
+    # -- OpenAI-compatible: only the messages beyond the session's are prefilled -------------
+    def chat(
+        self,
+        tenant: str,
+        session_id: str | None,
+        messages: list[dict],
+        sampling: dict,
+        settings: dict | None,
+        protocol: str,
+        stored: list[dict] | None,
+    ) -> AsyncIterator[dict]:
+        params = self.sampling(sampling)
+        if messages[-1]["role"] != "user":
+            raise InvalidArgument("the last message must come from the user")
+        if stored is None:  # a new session (or a stateless request)
+            tokens = self.tokens(messages, first=True)
+            resolved = self.settings(settings, len(tokens))
+            self._check_window(resolved, tokens)
+            sid = self.session_id(session_id)
+            return self._stream("open", tenant, sid, protocol, tokens, resolved, params, messages, "assistant")
+        if any(m["role"] not in CHAT_ROLES for m in stored):
+            raise Conflict("this session was built by /v1/completions; continue it there")
+        if len(messages) <= len(stored) or messages[: len(stored)] != stored:
+            raise Conflict(
+                f"the messages do not extend session {session_id!r}: send its {len(stored)} "
+                "earlier messages unchanged, then the new ones"
+            )
+        new = messages[len(stored) :]
+        return self._stream(
+            "turn", tenant, session_id, protocol, self.tokens(new, first=False), params, new, "assistant"
+        )
+
+    def complete(
+        self,
+        tenant: str,
+        session_id: str | None,
+        prompt: str,
+        sampling: dict,
+        settings: dict | None,
+        protocol: str,
+        stored: list[dict] | None,
+    ) -> AsyncIterator[dict]:
+        params = self.sampling(sampling)
+        if not prompt:
+            raise InvalidArgument("prompt is empty")
+        if stored is None:
+            tokens = self.raw_tokens(prompt, first=True)
+            resolved = self.settings(settings, len(tokens))
+            self._check_window(resolved, tokens)
+            return self._stream(
+                "open",
+                tenant,
+                self.session_id(session_id),
+                protocol,
+                tokens,
+                resolved,
+                params,
+                [{"role": "prompt", "content": prompt}],
+                "completion",
+            )
+        if any(m["role"] not in RAW_ROLES for m in stored):
+            raise Conflict("this session was built by the chat API; continue it with /v1/chat/completions")
+        transcript = "".join(m["content"] for m in stored)
+        if not prompt.startswith(transcript) or len(prompt) == len(transcript):
+            raise Conflict(
+                f"the prompt must start with session {session_id!r}'s transcript (its earlier prompts "
+                "and completions, as returned) and add new text"
+            )
+        new = prompt[len(transcript) :]
+        tokens = self.raw_tokens(new, first=False)
+        return self._stream(
+            "turn", tenant, session_id, protocol, tokens, params, [{"role": "prompt", "content": new}], "completion"
+        )
+
+    async def stored_messages(self, tenant: str, session_id: str | None) -> list[dict] | None:
+        """The session's message log, or None when this tenant has no such session (yet)."""
+        if not session_id:
+            return None
+        sid = check_id("session id", session_id)
+        entry = await asyncio.to_thread(self.directory.get, tenant, sid)
+        if entry is None:
+            return None
+        return await asyncio.to_thread(self.directory.messages, tenant, sid)
+
+    # -- plumbing ------------------------------------------------------------------------
+    def _check_window(self, settings: dict, tokens: list[int]) -> None:
+        if settings["policy"] != "full" and settings["window"] > len(tokens):
+            raise InvalidArgument(
+                f"observation window ({settings['window']}) is longer than the prompt "
+                f"({len(tokens)} tokens); lower `window` or send a longer prompt"
+            )
+
+    async def _stream(self, method: str, tenant: str, sid: str, protocol: str, tokens: list[int], *args):
+        """Events from the worker: {"t": id, "text": delta} per token, then {"done": ..., "outcome": ...}.
+
+        A replica that dies before the first event is retried (the router then moves the session)."""
+        key = f"{tenant}/{sid}"
+        sampling = args[0] if method == "turn" else args[1]  # open: (settings, sampling | None, ...)
+        stop = tuple((sampling or {}).get("stop", ()))
+        started = time.perf_counter()
+        first_token_at = None
+        ids: list[int] = []
+        emitted = ""
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        retry_until = time.monotonic() + min(RETRY_WINDOW_S, self.cfg.request_timeout_s)
+        for attempt in itertools.count():
+            got_event = False
+            try:
+                handle = self.workers.options(session_id=key, stream=True)
+                gen = getattr(handle, method).remote(tenant, sid, tokens, *args)
+                async with asyncio.timeout(max(0.01, deadline - time.monotonic())):
+                    async for event in gen:
+                        got_event = True
+                        if "t" in event:
+                            ids.append(event["t"])
+                            if first_token_at is None:
+                                first_token_at = time.perf_counter()
+                                self.metrics.ttft.labels(protocol).observe(first_token_at - started)
+                            text = cut_at_stop(self.tokenizer.decode(ids, skip_special_tokens=True), stop)
+                            if text.endswith("\ufffd"):
+                                continue  # an incomplete UTF-8 character: wait for the next token
+                            delta, emitted = text[len(emitted) :], text
+                            if delta:
+                                yield {"text": delta, "t": event["t"]}
+                        else:
+                            outcome = self._outcome(sid, ids, stop, event, len(tokens), started, first_token_at)
+                            yield {"done": True, "outcome": outcome}
+                return
+            except TimeoutError:
+                gen.cancel()
+                raise DeadlineExceeded(f"the request ran past {self.cfg.request_timeout_s:.0f} s") from None
+            except Exception as exc:  # noqa: BLE001 - mapped below
+                error = as_kvsnap_error(exc)
+                retry = not got_event and (isinstance(exc, RETRYABLE) or "draining" in str(error))
+                if retry and time.monotonic() < retry_until:
+                    log.warning("%s of %s failed before any output (%s); retrying", method, key, error)
+                    await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
+                    continue
+                raise error from None
+
+    def _outcome(self, sid, ids, stop, event, prompt_tokens, started, first_token_at) -> TurnOutcome:
+        full = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = cut_at_stop(full, stop)
+        finish = "stop" if text != full else event["finish_reason"]
+        report = event["report"]
+        self.metrics.record_turn(report, time.perf_counter() - (first_token_at or started))
+        prefilled = report["prompt_tokens"]  # this turn's new tokens plus the previous answer's last one
+        return TurnOutcome(sid, text, ids, finish, prefilled, event["worker"], event["source"], event["state"])
+
+    async def _drain(self, events: AsyncIterator[dict]) -> TurnOutcome:
+        async for event in events:
+            if event.get("done"):
+                return event["outcome"]
+        raise Unavailable("the worker ended the turn without a result")
+
+    async def _call(self, method: str, tenant: str, key_sid: str, *args):
+        key = key_sid if key_sid.startswith("worker:") else f"{tenant}/{key_sid}"
+        retry_until = time.monotonic() + min(RETRY_WINDOW_S, self.cfg.request_timeout_s)
+        for attempt in itertools.count():
+            try:
+                response = getattr(self.workers.options(session_id=key), method).remote(*args)
+                async with asyncio.timeout(self.cfg.request_timeout_s):
+                    return await response
+            except TimeoutError:
+                raise DeadlineExceeded(f"the request ran past {self.cfg.request_timeout_s:.0f} s") from None
+            except Exception as exc:  # noqa: BLE001
+                if isinstance(exc, RETRYABLE) and time.monotonic() < retry_until:
+                    await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
+                    continue
+                raise as_kvsnap_error(exc) from None
+
+
+def as_kvsnap_error(exc: BaseException) -> KvsnapError:
+    """The kvsnap error inside whatever Ray wrapped it in; infrastructure failures become Unavailable."""
+    if isinstance(exc, KvsnapError):
+        return exc
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, KvsnapError):
+        return cause
+    if isinstance(exc, BackPressureError):
+        return ResourceExhausted("too many requests queued; retry shortly")
+    if isinstance(exc, RETRYABLE):
+        return Unavailable(f"worker unavailable: {type(exc).__name__}; retry")
+    log.error("unexpected error: %r", exc)
+    return KvsnapError(f"internal error: {type(exc).__name__}")
+
+
+def entry_dict(entry) -> dict:
+    return {f: getattr(entry, f) for f in entry.__slots__}
+
+
+def state_view(entry: dict | None) -> dict:
+    if entry is None:
+        raise Unavailable("the session's state is not available; retry")
+    return {
+        "session_id": entry["session_id"],
+        "logical_len": entry["logical_len"],
+        "kept_len": entry["kept_len"],
+        "kv_bytes": entry["kv_bytes"],
+        "tier": entry["tier"],
+        "turns": entry["turns"],
+        "policy": entry["policy_fingerprint"],
+        "version": entry["version"],
+        "created": entry["created"],
+        "last_used": entry["last_used"],
+    }

@@ -1,0 +1,94 @@
+"""Service configuration: one pydantic model, filled from defaults, ``KVSNAP_*`` environment
+variables, a Serve config file's ``args``, and CLI flags (in rising priority)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvsnap.errors import InvalidArgument
+
+
+class PolicyDefaults(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str = Field("snapkv", description="full | snapkv | streaming")
+    budget: int = Field(512, ge=1, description="prefix rows kept per KV head (snapkv)")
+    window: int = Field(32, ge=1, description="observation window; recent tokens kept (streaming)")
+    kernel: int = Field(7, ge=1, description="SnapKV pooling kernel (odd)")
+    pooling: str = Field("max", description="max | avg")
+    recompress: str = Field("per_turn", description="per_turn | never")
+
+
+class ServiceConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("gemma3-270m", description="gemma3-270m (embedded), tiny-llama, tiny-gemma3, HF id or path")
+    gguf_file: str | None = Field(None, description="GGUF file name inside the model directory")
+    replicas: int = Field(2, ge=1, description="worker replicas (one model each)")
+    cpus_per_replica: float = Field(1.0, gt=0, description="CPUs per worker replica; torch threads follow it")
+    gpus_per_replica: float = Field(-1, description="GPUs per worker replica; -1 = 1 when CUDA is present, else 0")
+    http_host: str = Field("127.0.0.1", description="HTTP bind address")
+    http_port: int = Field(8000, ge=1, le=65535)
+    grpc_port: int = Field(9000, ge=0, le=65535, description="0 disables gRPC")
+    redis_url: str | None = Field(None, description="redis:// or rediss:// URL; unset = start an embedded redis")
+    data_dir: str = Field(".kvsnap", description="embedded Redis data and the disk tier live here")
+    api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> tenant")
+    device_tier_mib: int = Field(1024, ge=0, description="device (GPU, or CPU here) tier budget per replica")
+    host_tier_mib: int = Field(4096, ge=0, description="host tier budget per replica")
+    disk_tier_mib: int = Field(0, ge=0, description="disk tier budget per replica (0 = no disk tier)")
+    prefill_chunk: int = Field(1024, ge=1, description="tokens per prefill forward pass")
+    max_prompt_tokens: int = Field(16384, ge=1, description="most tokens one request may add")
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="largest request body")
+    max_new_tokens: int = Field(1024, ge=1, description="most tokens one turn may generate")
+    default_max_tokens: int = Field(128, ge=1, description="tokens generated when a request names none")
+    max_ongoing_requests: int = Field(4, ge=1, description="requests a replica works on at once")
+    max_queued_requests: int = Field(16, ge=0, description="requests waiting per deployment before 429")
+    request_timeout_s: float = Field(300.0, gt=0)
+    overload_queue_len: int = Field(
+        8,
+        ge=1,
+        description="a holder with this many ongoing requests gives up new turns of its sessions to another replica",
+    )
+    session_ttl_s: int = Field(24 * 3600, ge=1, description="idle sessions expire after this")
+    defaults: PolicyDefaults = Field(default_factory=PolicyDefaults)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _parse_keys(cls, value: Any) -> Any:
+        return parse_api_keys(value) if isinstance(value, str) else value
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> ServiceConfig:
+        """Defaults, then ``KVSNAP_<FIELD>`` environment variables, then ``overrides`` (not None)."""
+        values: dict[str, Any] = {}
+        for name in cls.model_fields:
+            env = os.environ.get(f"KVSNAP_{name.upper()}")
+            if env is not None and name != "defaults":
+                values[name] = env
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            raise InvalidArgument(f"bad configuration: {exc}") from exc
+
+    def with_generated_key(self) -> tuple[ServiceConfig, str | None]:
+        """When no API key is configured, make one (for tenant ``default``) and return it."""
+        if self.api_keys:
+            return self, None
+        key = "kvs-" + secrets.token_urlsafe(24)
+        return self.model_copy(update={"api_keys": {key: "default"}}), key
+
+
+def parse_api_keys(text: str) -> dict[str, str]:
+    """``"key1:tenantA,key2:tenantB"`` -> ``{"key1": "tenantA", ...}``."""
+    keys = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, tenant = item.partition(":")
+        if not sep or not key or not tenant:
+            raise InvalidArgument("KVSNAP_API_KEYS must look like 'key1:tenantA,key2:tenantB'")
+        keys[key] = tenant
+    return keys

@@ -1,0 +1,186 @@
+"""The gRPC server of the ingress replica: ``proto/kvsnap.proto`` with reflection and the
+standard health service, on its own event loop thread, sharing :class:`SessionAPI`.
+
+(Ray Serve's own gRPC proxy offers neither reflection nor the standard health
+service, and maps exceptions to codes coarsely; running grpc.aio here keeps the
+status codes identical to the HTTP ones.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from kvsnap.errors import KvsnapError
+
+from .grpc_stubs import pb2, pb2_grpc
+from .ingress import tenant_for
+from .status import grpc_status
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb2.DESCRIPTOR.services_by_name["Kvsnap"].full_name
+
+
+def _settings(msg) -> dict:
+    return {
+        "policy": msg.policy or None,
+        "budget": msg.budget or None,
+        "window": msg.window or None,
+        "kernel": msg.kernel or None,
+        "pooling": msg.pooling or None,
+        "recompress": msg.recompress or None,
+    }
+
+
+def _sampling(msg) -> dict:
+    return {
+        "max_tokens": msg.max_tokens or None,
+        "temperature": msg.temperature if msg.HasField("temperature") else None,
+        "top_p": msg.top_p if msg.HasField("top_p") else None,
+        "top_k": msg.top_k or None,
+        "seed": msg.seed if msg.HasField("seed") else None,
+        "stop": list(msg.stop) or None,
+    }
+
+
+def _state(view: dict) -> pb2.SessionState:
+    return pb2.SessionState(
+        **{
+            k: view[k]
+            for k in ("session_id", "logical_len", "kept_len", "kv_bytes", "tier", "turns", "policy", "version")
+        }
+    )
+
+
+class KvsnapServicer(pb2_grpc.KvsnapServicer):
+    def __init__(self, ingress):
+        self.ingress = ingress
+
+    @property
+    def api(self):
+        return self.ingress.api
+
+    def _tenant(self, context) -> str:
+        metadata = dict(context.invocation_metadata())
+        return tenant_for(self.ingress.cfg.api_keys, metadata.get("authorization"))
+
+    async def _fail(self, context, error: KvsnapError, method: str):
+        self.ingress.metrics.requests.labels(f"grpc:{method}", grpc_status(error).name).inc()
+        await context.abort(grpc_status(error), error.message)
+
+    async def CreateSession(self, request, context):
+        try:
+            view = await self.api.create(
+                self._tenant(context), request.session_id or None, request.document, _settings(request.settings), "grpc"
+            )
+        except KvsnapError as exc:
+            await self._fail(context, exc, "CreateSession")
+        self.ingress.metrics.requests.labels("grpc:CreateSession", "OK").inc()
+        return _state(view)
+
+    async def Turn(self, request, context):
+        events = None
+        try:
+            events = self.api.turn(
+                self._tenant(context), request.session_id, request.message, _sampling(request.sampling), False, "grpc"
+            )
+            async for event in events:
+                if "text" in event:
+                    yield pb2.TurnChunk(text=event["text"], token_ids=[event["t"]])
+                else:
+                    o = event["outcome"]
+                    yield pb2.TurnChunk(
+                        done=True,
+                        finish_reason=o.finish_reason,
+                        prompt_tokens=o.prompt_tokens,
+                        completion_tokens=len(o.token_ids),
+                        state=_state(_view(o.state)),
+                    )
+        except KvsnapError as exc:
+            await self._fail(context, exc, "Turn")
+        finally:
+            if events is not None:
+                await events.aclose()  # client cancelled: stops generation
+        self.ingress.metrics.requests.labels("grpc:Turn", "OK").inc()
+
+    async def GetSession(self, request, context):
+        try:
+            view = await self.api.get(self._tenant(context), request.session_id)
+        except KvsnapError as exc:
+            await self._fail(context, exc, "GetSession")
+        return _state(view)
+
+    async def DeleteSession(self, request, context):
+        try:
+            await self.api.delete(self._tenant(context), request.session_id)
+        except KvsnapError as exc:
+            await self._fail(context, exc, "DeleteSession")
+        return pb2.DeleteResponse(deleted=True)
+
+
+def _view(entry: dict | None) -> dict:
+    from .api import state_view
+
+    return state_view(entry)
+
+
+class GrpcServer:
+    """grpc.aio server on a daemon thread with its own event loop."""
+
+    def __init__(self, ingress, address: str):
+        self.address = address
+        self.loop = asyncio.new_event_loop()
+        self.server = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(ingress,), name="kvsnap-grpc", daemon=True)
+
+    def _run(self, ingress) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._start(ingress))
+        except BaseException as exc:  # port taken, ...
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self.loop.run_forever()
+
+    async def _start(self, ingress) -> None:
+        limit = ingress.cfg.max_body_bytes
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
+        pb2_grpc.add_KvsnapServicer_to_server(KvsnapServicer(ingress), self.server)
+        health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, self.server)
+        await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        if not self.server.add_insecure_port(self.address):
+            raise OSError(f"cannot bind gRPC to {self.address}")
+        await self.server.start()
+        log.info("gRPC serving on %s", self.address)
+
+    def start(self) -> GrpcServer:
+        self.thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None and self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(self.server.stop(grace=1), self.loop).result(5)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def start_grpc_server(ingress, address: str) -> GrpcServer:
+    return GrpcServer(ingress, address).start()

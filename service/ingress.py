@@ -1,0 +1,340 @@
+"""The ingress deployment: HTTP (FastAPI: session API + OpenAI-compatible) and gRPC.
+
+Auth first (API key -> tenant; constant-time comparison; keys never logged), then
+body-size limits, then :class:`SessionAPI` validation, all before any model work.
+The gRPC server (``proto/kvsnap.proto``, with reflection and the standard health
+service) runs inside this replica on its own event loop and shares the same core,
+so both protocols answer every error with matching status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from kvsnap.actors.directory import SessionDirectory
+from kvsnap.actors.models import tokenizer_for
+from kvsnap.errors import InvalidArgument, KvsnapError, PayloadTooLarge, Unauthenticated
+
+from .api import SessionAPI, TurnOutcome, as_kvsnap_error, state_view
+from .config import ServiceConfig
+from .metrics import Metrics
+from .schemas import ChatCompletionRequest, CompletionRequest, CreateSession, SessionState, Turn, TurnAnswer
+from .status import error_body, http_status
+
+log = logging.getLogger(__name__)
+
+app = FastAPI(
+    title="kvsnap",
+    version="0.1.0",
+    description="Long-context sessions with SnapKV-compressed KV caches and cache-affinity routing. "
+    "Authenticate with `Authorization: Bearer <API key>`.",
+)
+_INGRESS: Ingress | None = None  # the replica's one Ingress (routes are module functions)
+
+
+def _current() -> Ingress:
+    if _INGRESS is None:
+        raise KvsnapError("ingress not initialised")
+    return _INGRESS
+
+
+OPEN_PATHS = {"/health", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
+
+
+def tenant_for(keys: dict[str, str], authorization: str | None) -> str:
+    """The tenant of a ``Bearer`` key; every configured key is compared, in constant time."""
+    if not authorization or not authorization.lower().startswith("bearer "):
+        raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>'")
+    given = authorization[7:].strip().encode()
+    tenant = None
+    for key, owner in keys.items():
+        if hmac.compare_digest(given, key.encode()):
+            tenant = owner
+    if tenant is None:
+        raise Unauthenticated("invalid API key")
+    return tenant
+
+
+def error_response(error: KvsnapError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if error.kind in ("resource_exhausted", "unavailable") else None
+    return JSONResponse(error_body(error), status_code=http_status(error), headers=headers)
+
+
+@app.exception_handler(KvsnapError)
+async def _kvsnap_error(request: Request, exc: KvsnapError):
+    return error_response(exc)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
+    return error_response(InvalidArgument(problems or "invalid request"))
+
+
+@app.middleware("http")
+async def _edge(request: Request, call_next):
+    """Auth and body size, before anything else runs; one request counter for all routes."""
+    ingress: Ingress = _current()
+    route = request.url.path
+    try:
+        if route not in OPEN_PATHS:
+            request.state.tenant = tenant_for(ingress.cfg.api_keys, request.headers.get("authorization"))
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > ingress.cfg.max_body_bytes:
+            raise PayloadTooLarge(f"request body of {declared} bytes; the limit is {ingress.cfg.max_body_bytes}")
+        if request.method in ("POST", "PUT") and len(await request.body()) > ingress.cfg.max_body_bytes:
+            raise PayloadTooLarge(f"request body over {ingress.cfg.max_body_bytes} bytes")
+        response = await call_next(request)
+    except KvsnapError as exc:
+        response = error_response(exc)
+    ingress.metrics.requests.labels(_route_label(route), str(response.status_code)).inc()
+    return response
+
+
+def _route_label(path: str) -> str:
+    parts = path.strip("/").split("/")
+    if len(parts) >= 3 and parts[1] == "sessions":
+        parts[2] = "{id}"
+    return "/" + "/".join(parts)
+
+
+def _api(request: Request) -> SessionAPI:
+    return _current().api
+
+
+@app.get("/health", summary="liveness (no auth)")
+async def health():
+    return {"status": "ok"}
+
+
+@app.get("/metrics", summary="Prometheus metrics")
+async def metrics(request: Request):
+    body = await asyncio.to_thread(_current().metrics.render)
+    return Response(body, media_type="text/plain; version=0.0.4")
+
+
+@app.post("/v1/sessions", status_code=201, response_model=SessionState, summary="open a session with a document")
+async def create_session(body: CreateSession, request: Request):
+    return await _api(request).create(
+        request.state.tenant, body.session_id, body.document, body.settings.model_dump(), "http"
+    )
+
+
+@app.post(
+    "/v1/sessions/{session_id}/turns",
+    response_model=TurnAnswer,
+    summary="ask a question on the session (SSE when stream=true)",
+)
+async def session_turn(session_id: str, body: Turn, request: Request):
+    fields = body.model_dump(exclude={"message", "raw", "stream"})
+    events = _api(request).turn(request.state.tenant, session_id, body.message, fields, body.raw, "http")
+    if body.stream:
+        return await _sse(events, lambda e: {"text": e["text"]} if "text" in e else _answer(e["outcome"]), request)
+    return _answer(await _final(events))
+
+
+@app.get("/v1/sessions/{session_id}", response_model=SessionState, summary="a session's state")
+async def get_session(session_id: str, request: Request):
+    return await _api(request).get(request.state.tenant, session_id)
+
+
+@app.delete("/v1/sessions/{session_id}", status_code=204, summary="delete a session")
+async def delete_session(session_id: str, request: Request):
+    await _api(request).delete(request.state.tenant, session_id)
+    return Response(status_code=204)
+
+
+@app.post("/v1/admin/workers/{worker_id}/drain", summary="move every session off one worker")
+async def drain_worker(worker_id: str, request: Request):
+    return {"worker": worker_id, "exported": await _api(request).drain(worker_id)}
+
+
+@app.get("/v1/models", summary="OpenAI-compatible model list")
+async def models(request: Request):
+    name = _current().cfg.model
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvsnap"}]}
+
+
+@app.post("/v1/chat/completions", summary="OpenAI-compatible; x-session-id keeps the conversation's KV")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    api = _api(request)
+    if body.n not in (None, 1):
+        raise InvalidArgument("only n=1 is supported")
+    tenant, sid = request.state.tenant, request.headers.get("x-session-id")
+    messages = [m.model_dump() for m in body.messages]
+    stored = await api.stored_messages(tenant, sid)
+    sampling = body.model_dump(
+        include={"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+    )
+    settings = body.kvsnap.model_dump() if body.kvsnap else None
+    events = api.chat(tenant, sid, messages, sampling, settings, "http", stored)
+    return await _openai(events, request, sid, chat=True, stream=body.stream)
+
+
+@app.post("/v1/completions", summary="OpenAI-compatible; with x-session-id the prompt extends the session's text")
+async def completions(body: CompletionRequest, request: Request):
+    api = _api(request)
+    if body.n not in (None, 1):
+        raise InvalidArgument("only n=1 is supported")
+    tenant, sid = request.state.tenant, request.headers.get("x-session-id")
+    stored = await api.stored_messages(tenant, sid)
+    sampling = body.model_dump(include={"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
+    settings = body.kvsnap.model_dump() if body.kvsnap else None
+    events = api.complete(tenant, sid, body.prompt, sampling, settings, "http", stored)
+    return await _openai(events, request, sid, chat=False, stream=body.stream)
+
+
+# -- response shaping ------------------------------------------------------------------------
+def _answer(outcome: TurnOutcome) -> dict:
+    return {
+        "session_id": outcome.session_id,
+        "text": outcome.text,
+        "finish_reason": outcome.finish_reason,
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": len(outcome.token_ids),
+        "worker": outcome.worker,
+        "source": outcome.source,
+        "state": state_view(outcome.state),
+    }
+
+
+async def _final(events) -> TurnOutcome:
+    async for event in events:
+        if event.get("done"):
+            return event["outcome"]
+    raise as_kvsnap_error(RuntimeError("turn ended without a result"))
+
+
+async def _first(events):
+    """Pull the first event before the response starts, so early errors get a real status code."""
+    iterator = events.__aiter__()
+    try:
+        first = await iterator.__anext__()
+    except StopAsyncIteration:
+        first = None
+    return first, iterator
+
+
+async def _sse(events, shape, request: Request, done_marker: bool = False) -> StreamingResponse:
+    first, iterator = await _first(events)
+
+    async def body():
+        try:
+            event = first
+            while event is not None:
+                yield f"data: {json.dumps(shape(event))}\n\n"
+                if await request.is_disconnected():
+                    break  # the client went away: stop generating
+                try:
+                    event = await iterator.__anext__()
+                except StopAsyncIteration:
+                    event = None
+            if done_marker:
+                yield "data: [DONE]\n\n"
+        except KvsnapError as exc:
+            yield f"data: {json.dumps(error_body(exc))}\n\n"
+        finally:
+            await iterator.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _openai(events, request: Request, sid: str | None, chat: bool, stream: bool):
+    ingress: Ingress = _current()
+    created, rid = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    kind = "chat.completion" if chat else "text_completion"
+    headers = {"x-session-id": sid} if sid else {}
+
+    def usage(o: TurnOutcome) -> dict:
+        return {
+            "prompt_tokens": o.prompt_tokens,
+            "completion_tokens": len(o.token_ids),
+            "total_tokens": o.prompt_tokens + len(o.token_ids),
+        }
+
+    def extra(o: TurnOutcome) -> dict:
+        return {
+            "session_id": o.session_id,
+            "worker": o.worker,
+            "source": o.source,
+            "state": state_view(o.state) if o.state else None,
+        }
+
+    if not stream:
+        o = await _final(events)
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason}
+            if chat
+            else {"index": 0, "text": o.text, "finish_reason": o.finish_reason, "logprobs": None}
+        )
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": ingress.cfg.model,
+                "choices": [choice],
+                "usage": usage(o),
+                "kvsnap": extra(o),
+            },
+            headers={"x-session-id": o.session_id},
+        )
+
+    def shape(event: dict) -> dict:
+        chunk = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created, "model": ingress.cfg.model}
+        if "text" in event:
+            delta = {"content": event["text"]}
+            chunk["choices"] = [
+                {"index": 0, "delta": delta, "finish_reason": None}
+                if chat
+                else {"index": 0, "text": event["text"], "finish_reason": None, "logprobs": None}
+            ]
+        else:
+            o = event["outcome"]
+            chunk["choices"] = [
+                {"index": 0, "delta": {}, "finish_reason": o.finish_reason}
+                if chat
+                else {"index": 0, "text": "", "finish_reason": o.finish_reason, "logprobs": None}
+            ]
+            chunk["usage"], chunk["kvsnap"] = usage(o), extra(o)
+        return chunk
+
+    response = await _sse(events, shape, request, done_marker=True)
+    response.headers.update(headers)
+    return response
+
+
+# -- the deployment ----------------------------------------------------------------------------
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, workers, config: dict, redis_url: str):
+        self.cfg = ServiceConfig(**config)
+        self.directory = SessionDirectory(redis_url, session_ttl_s=self.cfg.session_ttl_s)
+        self.metrics = Metrics(loads=self.directory.loads)
+        self.api = SessionAPI(
+            self.cfg, workers, tokenizer_for(self.cfg.model, self.cfg.gguf_file), self.directory, self.metrics
+        )
+        global _INGRESS
+        _INGRESS = self
+        self.grpc = None
+        if self.cfg.grpc_port:
+            from .grpc_server import start_grpc_server
+
+            self.grpc = start_grpc_server(self, f"{self.cfg.http_host}:{self.cfg.grpc_port}")
+
+    def __del__(self):
+        if getattr(self, "grpc", None) is not None:
+            self.grpc.stop()
+
+
+__all__ = ["Ingress", "app", "tenant_for"]

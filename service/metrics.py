@@ -1,0 +1,69 @@
+"""Prometheus metrics served at /metrics by the ingress.
+
+Latency and token counters are measured at the ingress (what a client sees);
+per-worker numbers (KV bytes and sessions per tier, moves, rebuilds, affinity hits)
+come from the load each worker publishes to Redis with its heartbeat.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class WorkerLoadCollector:
+    def __init__(self, loads):
+        self.loads = loads  # () -> {worker_id: stats dict}
+
+    def collect(self):
+        try:
+            loads = self.loads()
+        except Exception:  # Redis down: no worker numbers this scrape
+            loads = {}
+        kv = GaugeMetricFamily("kvsnap_kv_bytes", "KV bytes held per worker and tier", labels=["worker", "tier"])
+        sessions = GaugeMetricFamily("kvsnap_sessions", "sessions per worker and tier", labels=["worker", "tier"])
+        moves = CounterMetricFamily("kvsnap_session_moves", "sessions moved onto a worker", labels=["worker"])
+        rebuilds = CounterMetricFamily("kvsnap_session_rebuilds", "KV rebuilt from the token log", labels=["worker"])
+        hits = CounterMetricFamily("kvsnap_affinity_hits", "turns served from a worker's own tiers", labels=["worker"])
+        for worker, stats in loads.items():
+            for tier, value in stats.get("bytes_by_tier", {}).items():
+                kv.add_metric([worker, tier], value)
+            for tier, value in stats.get("sessions_by_tier", {}).items():
+                sessions.add_metric([worker, tier], value)
+            moves.add_metric([worker], stats.get("moves_in", 0))
+            rebuilds.add_metric([worker], stats.get("rebuilds", 0))
+            hits.add_metric([worker], sum(v for k, v in stats.items() if k.startswith("hit_")))
+        yield from (kv, sessions, moves, rebuilds, hits)
+
+
+class Metrics:
+    def __init__(self, loads=None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "kvsnap_ttft_seconds", "time to first token", ["protocol"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "kvsnap_time_per_output_token_seconds",
+            "decode time per generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("kvsnap_prompt_tokens", "tokens prefilled", registry=r)
+        self.kept_tokens = Counter("kvsnap_kept_tokens", "rows kept per full layer after each turn", registry=r)
+        self.generated_tokens = Counter("kvsnap_generated_tokens", "tokens generated", registry=r)
+        self.requests = Counter("kvsnap_requests", "requests by route and status", ["route", "code"], registry=r)
+        if loads is not None:
+            r.register(WorkerLoadCollector(loads))
+
+    def record_turn(self, report: dict, decode_s: float) -> None:
+        self.prompt_tokens.inc(report["prompt_tokens"])
+        self.kept_tokens.inc(report["kept_len"])
+        self.generated_tokens.inc(report["generated_tokens"])
+        if report["generated_tokens"] > 1:
+            self.tpot.observe(decode_s / (report["generated_tokens"] - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,105 @@
+"""Cache-affinity routing: a turn of session S goes to the replica that holds S's KV.
+
+A Ray Serve request router (configured on the worker deployment). The ingress tags
+every call with ``session_id = "<tenant>/<session>"`` (handle option); the router
+asks Redis who holds that session and returns only that replica, so Serve's own
+retry can never send the turn to a replica without the cache. When the holder is
+gone, draining, or has ``overload_queue_len`` requests in flight, or for a new
+session, it ranks the replicas by KV bytes held, then queue length (least loaded
+first); the replica that gets the turn then imports or rebuilds the KV (a move,
+counted by the worker). ``session_id = "worker:<id>"`` addresses one replica
+(admin calls such as drain).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+
+import redis.asyncio as aioredis
+from ray.serve.request_router import FIFOMixin, RequestRouter
+
+log = logging.getLogger(__name__)
+PLACEMENT_MEMORY_S = 2.0  # > the routing-stats period (1 s)
+
+
+class AffinityRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, redis_url: str = "", prefix: str = "kvsnap", overload_queue_len: int = 8, **_):
+        self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.prefix = prefix
+        self.overload_queue_len = overload_queue_len
+        # Routing stats lag by up to a second: sessions placed since then count as load too.
+        self._placed: dict[str, deque[float]] = {}
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        if pending_request is None or not candidate_replicas:
+            return [candidate_replicas]
+        pending_request.routing_context.should_backoff = True
+        key = pending_request.metadata.session_id or ""
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+
+        if key.startswith("worker:"):  # an admin call for one replica
+            target = by_id.get(key[len("worker:") :])
+            return [[target]] if target else [candidate_replicas]
+
+        if "/" in key:
+            holder = by_id.get(await self._owner(key))
+            if holder is not None and not await self._unfit(holder):
+                return [[holder]]
+
+        pending_request.routing_context.placing = True  # read back in on_request_routed
+        live = [r for r in candidate_replicas if not self._draining(r)]
+        random.shuffle(live)  # equal loads: no replica is always first
+        ranked = sorted(live, key=self._load(live))
+        return [[r] for r in ranked] or [candidate_replicas]
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        if getattr(pending_request.routing_context, "placing", False):
+            self._placed.setdefault(replica_id.unique_id, deque()).append(time.monotonic())
+
+    async def _owner(self, key: str) -> str:
+        tenant, _, session_id = key.partition("/")
+        try:
+            owner = await self.redis.hget(f"{self.prefix}:s:{tenant}:{session_id}", "owner")
+        except Exception as exc:  # Redis down: route by load; the worker answers Unavailable if unsafe
+            log.warning("affinity router: owner lookup failed (%s)", exc)
+            return ""
+        return owner.decode() if owner else ""
+
+    def _queue_len(self, replica) -> int:
+        cached = self.replica_queue_len_cache.get(replica.replica_id)
+        stats = replica.routing_stats or {}
+        return max(cached or 0, int(stats.get("ongoing", 0)))
+
+    @staticmethod
+    def _draining(replica) -> bool:
+        return bool((replica.routing_stats or {}).get("draining"))
+
+    async def _unfit(self, replica) -> bool:
+        """Draining, unreachable, or with ``overload_queue_len`` requests in flight (asked, not cached)."""
+        if self._draining(replica):
+            return True
+        try:
+            ongoing = await replica.get_queue_len(deadline_s=1.0)
+        except Exception as exc:  # dead or hung: the session moves
+            log.warning("affinity router: holder %s unreachable (%s)", replica.replica_id.unique_id, exc)
+            return True
+        return ongoing >= self.overload_queue_len
+
+    def _load(self, replicas):
+        """Sort key: KV bytes held (plus a typical session per recent placement), then queue length."""
+        stats = [r.routing_stats or {} for r in replicas]
+        sessions = sum(int(s.get("sessions", 0)) for s in stats)
+        per_session = sum(int(s.get("kv_bytes", 0)) for s in stats) / sessions if sessions else 1.0
+        now = time.monotonic()
+
+        def key(replica):
+            placed = self._placed.get(replica.replica_id.unique_id, deque())
+            while placed and now - placed[0] > PLACEMENT_MEMORY_S:
+                placed.popleft()
+            kv_bytes = int((replica.routing_stats or {}).get("kv_bytes", 0))
+            return kv_bytes + len(placed) * per_session, self._queue_len(replica)
+
+        return key

@@ -1,0 +1,103 @@
+"""Request and response bodies of the HTTP API (pydantic, with descriptions for the OpenAPI schema)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Settings(BaseModel):
+    """Per-session compression settings, applied when the session is created."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str | None = Field(None, description="full | snapkv | streaming (default: server's)")
+    budget: int | None = Field(None, description="prefix rows kept per KV head (snapkv)")
+    window: int | None = Field(None, description="observation window / recent tokens kept")
+    kernel: int | None = Field(None, description="SnapKV pooling kernel, odd")
+    pooling: Literal["max", "avg"] | None = None
+    recompress: Literal["per_turn", "never"] | None = None
+
+
+class SamplingFields(BaseModel):
+    max_tokens: int | None = Field(None, description="tokens to generate at most (>= 1)")
+    temperature: float | None = Field(None, description="0 = greedy")
+    top_p: float | None = Field(None, description="nucleus sampling, in (0, 1]")
+    top_k: int | None = Field(None, description="0 = off")
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, description="stop strings")
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _finite(cls, value):
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class CreateSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str | None = Field(None, description="your id for the session (default: one is made)")
+    document: str = Field(..., description="the long context, prefilled once and compressed")
+    settings: Settings = Field(default_factory=Settings)
+
+
+class Turn(SamplingFields):
+    model_config = ConfigDict(extra="forbid")
+
+    message: str = Field(..., description="the user's message (a question about the document)")
+    raw: bool = Field(False, description="send the message verbatim, without the User/Assistant template")
+    stream: bool = Field(False, description="stream the answer as Server-Sent Events")
+
+
+class SessionState(BaseModel):
+    session_id: str
+    logical_len: int = Field(description="tokens the session has seen")
+    kept_len: int = Field(description="rows kept per full-attention layer")
+    kv_bytes: int
+    tier: str = Field(description="device | host | disk | dropped")
+    turns: int
+    policy: str = Field(description="policy fingerprint")
+    version: int
+    created: float
+    last_used: float
+
+
+class TurnAnswer(BaseModel):
+    session_id: str
+    text: str
+    finish_reason: str
+    prompt_tokens: int = Field(description="tokens prefilled by this turn")
+    completion_tokens: int
+    worker: str = Field(description="replica that served the turn")
+    source: str = Field(description="where the KV came from: device/host/disk/imported/rebuilt/new")
+    state: SessionState
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "document"]
+    content: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we ignore (n=1, user, ...)
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = None
+    stream: bool = False
+    n: int | None = Field(None, description="only 1 is supported")
+    kvsnap: Settings | None = Field(None, description="session settings (applied when the session is created)")
+
+
+class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str
+    stream: bool = False
+    n: int | None = None
+    kvsnap: Settings | None = None

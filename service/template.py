@@ -1,0 +1,38 @@
+"""The plain-text prompt template for models without a chat template (the embedded Gemma 3
+270M is a base model). Documented in README; the same for the session and OpenAI APIs:
+
+    system / document   "{content}\\n"
+    user                "\\nUser: {content}\\nAssistant:"
+    assistant           "{content}"            (what the model generated, verbatim)
+
+Each message is tokenized on its own and the pieces concatenated, so a session's tokens
+for messages 1..n are exactly a prefix of its tokens for messages 1..n+k: appending a
+turn never re-tokenizes what the session already holds.
+"""
+
+from __future__ import annotations
+
+from kvsnap.errors import InvalidArgument
+
+ROLES = ("system", "document", "user", "assistant")
+
+
+def segment(message: dict) -> str:
+    role, content = message.get("role"), message.get("content")
+    if role not in ROLES:
+        raise InvalidArgument(f"message role must be one of {ROLES}, got {role!r}")
+    if not isinstance(content, str):
+        raise InvalidArgument("message content must be a string")
+    if role in ("system", "document"):
+        return f"{content}\n"
+    if role == "user":
+        return f"\nUser: {content}\nAssistant:"
+    return content
+
+
+def encode_messages(tokenizer, messages: list[dict], first: bool) -> list[int]:
+    """Token ids of ``messages``; ``first`` adds the tokenizer's BOS (a session's first turn)."""
+    ids: list[int] = []
+    for i, message in enumerate(messages):
+        ids += tokenizer.encode(segment(message), add_special_tokens=first and i == 0)
+    return ids

@@ -1,0 +1,127 @@
+"""The worker deployment: one Ray Serve replica = one model + its session tiers.
+
+Each method takes token ids (the ingress tokenizes and validates) and streams
+events: ``{"t": token_id}`` per generated token, then one ``{"done": True, ...}``
+with the report and the session's new state. Errors are kvsnap errors; they pickle
+across Ray and the ingress maps them to status codes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from ray import serve
+
+from kvsnap.actors import Engine, SamplingParams, load_model
+from kvsnap.actors.directory import SessionDirectory
+from kvsnap.actors.tiers import build_store
+from kvsnap.actors.worker import Worker
+from kvsnap.policies import make_policy
+
+from .config import ServiceConfig
+
+log = logging.getLogger(__name__)
+
+
+class WorkerReplica:
+    def __init__(self, config: dict, redis_url: str):
+        cfg = ServiceConfig(**config)
+        torch.set_num_threads(max(1, int(cfg.cpus_per_replica)))
+        self.worker_id = serve.get_replica_context().replica_id.unique_id
+        loaded = load_model(cfg.model, gguf_file=cfg.gguf_file)
+        engine = Engine(loaded, prefill_chunk=cfg.prefill_chunk)
+        directory = SessionDirectory(redis_url, session_ttl_s=cfg.session_ttl_s)
+        disk_dir = str(Path(cfg.data_dir) / "disk" / self.worker_id) if cfg.disk_tier_mib else None
+        store = build_store(
+            cfg.device_tier_mib << 20, cfg.host_tier_mib << 20, cfg.disk_tier_mib << 20, disk_dir, device=loaded.device
+        )
+        self.worker = Worker(engine, directory, store, self.worker_id)
+        self.worker.start_heartbeat(interval_s=2.0)
+        self.ongoing = 0
+        log.info("worker %s ready: %s on %s (pid %d)", self.worker_id, cfg.model, loaded.device, os.getpid())
+
+    # Ray Serve calls this periodically; the affinity router reads it from each replica.
+    def record_routing_stats(self) -> dict:
+        return {
+            "kv_bytes": sum(self.worker.store.bytes_by_tier().values()),
+            "sessions": len(self.worker.held),
+            "draining": self.worker.draining,
+            "ongoing": self.ongoing,
+        }
+
+    def open(
+        self,
+        tenant: str,
+        session_id: str,
+        tokens: list[int],
+        settings: dict,
+        sampling: dict | None,
+        log_messages: list[dict],
+        answer_role: str | None,
+    ):
+        params = dict(settings)
+        recompress = params.pop("recompress", "per_turn")
+        policy = make_policy(params.pop("policy"), **params)
+        sampling_params = SamplingParams(**sampling) if sampling is not None else None
+        stream = self.worker.open_stream(
+            tenant,
+            session_id,
+            tokens,
+            policy,
+            recompress,
+            sampling_params,
+            log_messages=log_messages,
+            answer_role=answer_role,
+        )
+        yield from self._events(tenant, session_id, stream)
+
+    def turn(
+        self,
+        tenant: str,
+        session_id: str,
+        tokens: list[int],
+        sampling: dict,
+        log_messages: list[dict],
+        answer_role: str | None,
+    ):
+        stream = self.worker.turn_stream(
+            tenant, session_id, tokens, SamplingParams(**sampling), log_messages=log_messages, answer_role=answer_role
+        )
+        yield from self._events(tenant, session_id, stream)
+
+    def state(self, tenant: str, session_id: str) -> dict:
+        return asdict(self.worker.state(tenant, session_id))
+
+    def messages(self, tenant: str, session_id: str) -> list[dict]:
+        return self.worker.messages(tenant, session_id)
+
+    def delete(self, tenant: str, session_id: str) -> None:
+        self.worker.delete(tenant, session_id)
+
+    def drain(self) -> int:
+        return self.worker.drain()
+
+    def stats(self) -> dict:
+        return self.worker.stats()
+
+    def _events(self, tenant: str, session_id: str, stream):
+        self.ongoing += 1
+        try:
+            for token in stream:
+                yield {"t": token}
+        finally:
+            stream.close()  # client gone: stop generating; the worker commits what was generated
+            self.ongoing -= 1
+        entry = self.worker.held.get(f"{tenant}/{session_id}")
+        yield {
+            "done": True,
+            "finish_reason": stream.finish_reason,
+            "report": asdict(stream.report),
+            "source": stream.source,
+            "worker": self.worker_id,
+            "state": asdict(entry.entry) if entry else None,
+        }

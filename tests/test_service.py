@@ -1,0 +1,449 @@
+"""The service end to end: a real local Ray Serve app (tiny-llama, 2 replicas), a real
+redis-server, and real HTTP, gRPC and OpenAI clients."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import openai
+import pytest
+import requests
+
+from kvsnap.actors import SamplingParams
+from kvsnap.actors.directory import SessionDirectory
+from kvsnap.errors import (
+    Conflict,
+    DeadlineExceeded,
+    InvalidArgument,
+    KvsnapError,
+    NotFound,
+    PayloadTooLarge,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
+from kvsnap.service.grpc_stubs import pb2, pb2_grpc
+from kvsnap.service.status import grpc_status, http_status
+from kvsnap.service.template import encode_messages
+
+DOC = "Foxes are small omnivorous mammals. The pass key is 48213. Foxes live in dens and hunt at night. " * 3
+QUESTIONS = ["What is the pass key?", "Where do foxes live?", "And when do they hunt?"]
+FULL = {"policy": "full"}
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def reference_answers(engine, document: str, questions: list[str], max_tokens: int) -> list[str]:
+    """The same conversation on the in-process engine (policy full)."""
+    tok = engine.tokenizer
+    session = engine.new_session("full")
+    engine.prefill(session, encode_messages(tok, [{"role": "document", "content": document}], True))
+    return [
+        engine.turn(
+            session,
+            encode_messages(tok, [{"role": "user", "content": q}], False),
+            SamplingParams(max_new_tokens=max_tokens),
+        ).text
+        for q in questions
+    ]
+
+
+def create(service, sid: str, settings=None, key="key-alpha", document=DOC) -> requests.Response:
+    return requests.post(
+        f"{service.http}/v1/sessions",
+        headers=service.headers(key),
+        json={"session_id": sid, "document": document, "settings": settings or FULL},
+    )
+
+
+def turn(service, sid: str, message: str, key="key-alpha", **fields) -> requests.Response:
+    return requests.post(
+        f"{service.http}/v1/sessions/{sid}/turns",
+        headers=service.headers(key),
+        json={"message": message, "max_tokens": 6, **fields},
+        stream=fields.get("stream", False),
+    )
+
+
+def sse_events(response: requests.Response) -> list[dict]:
+    return [
+        json.loads(line[6:]) for line in response.iter_lines() if line.startswith(b"data: ") and line != b"data: [DONE]"
+    ]
+
+
+def grpc_stub(service):
+    return pb2_grpc.KvsnapStub(grpc.insecure_channel(service.grpc))
+
+
+def md(key="key-alpha"):
+    return [("authorization", f"Bearer {key}")]
+
+
+def entry(service, sid, tenant="alpha"):
+    return SessionDirectory(service.redis_url).get(tenant, sid)
+
+
+# -- 1. three turns over every protocol equal the in-process engine ----------------------------
+def test_three_turns_over_http_equal_the_engine(service, llama_engine):
+    want = reference_answers(llama_engine, DOC, QUESTIONS, 6)
+    assert create(service, "http-3").status_code == 201
+    got = [turn(service, "http-3", QUESTIONS[0]).json()["text"]]
+    streamed = sse_events(turn(service, "http-3", QUESTIONS[1], stream=True))
+    assert streamed[-1]["text"] == "".join(e["text"] for e in streamed[:-1])
+    got.append(streamed[-1]["text"])
+    got.append(turn(service, "http-3", QUESTIONS[2]).json()["text"])
+    assert got == want
+
+
+def test_three_turns_over_grpc_equal_the_engine(service, llama_engine):
+    want = reference_answers(llama_engine, DOC, QUESTIONS, 6)
+    stub = grpc_stub(service)
+    state = stub.CreateSession(
+        pb2.CreateSessionRequest(session_id="grpc-3", document=DOC, settings=pb2.SessionSettings(policy="full")),
+        metadata=md(),
+    )
+    assert state.turns == 1 and state.logical_len > 0
+    got = []
+    for q in QUESTIONS:
+        chunks = list(
+            stub.Turn(
+                pb2.TurnRequest(session_id="grpc-3", message=q, sampling=pb2.Sampling(max_tokens=6)), metadata=md()
+            )
+        )
+        assert chunks[-1].done and chunks[-1].state.turns >= 2
+        got.append("".join(c.text for c in chunks))
+    assert got == want
+    assert stub.GetSession(pb2.SessionRef(session_id="grpc-3"), metadata=md()).turns == 4
+
+
+def test_three_turns_through_the_openai_client_equal_the_engine(service, llama_engine):
+    client = openai.OpenAI(base_url=f"{service.http}/v1", api_key="key-alpha")
+    assert [m.id for m in client.models.list()] == ["tiny-llama"]
+    tok = llama_engine.tokenizer
+    reference = llama_engine.new_session("full")
+    messages = [{"role": "system", "content": DOC}]
+    for i, q in enumerate(QUESTIONS):
+        messages.append({"role": "user", "content": q})
+        new = messages if i == 0 else messages[-1:]
+        want = llama_engine.turn(reference, encode_messages(tok, new, i == 0), SamplingParams(max_new_tokens=6)).text
+        kwargs = dict(
+            model="tiny-llama",
+            messages=messages,
+            max_tokens=6,
+            extra_headers={"x-session-id": "oai-3"},
+            extra_body={"kvsnap": FULL},
+        )
+        if i == 1:
+            chunks = list(client.chat.completions.create(stream=True, **kwargs))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            response = client.chat.completions.create(**kwargs)
+            text = response.choices[0].message.content
+            prefilled = response.usage.prompt_tokens
+            assert prefilled == len(encode_messages(tok, new, i == 0)) + (i > 0)  # only what is new
+        assert text == want
+        messages.append({"role": "assistant", "content": text})
+
+    completion = client.completions.create(
+        model="tiny-llama",
+        prompt=DOC,
+        max_tokens=5,
+        extra_headers={"x-session-id": "oai-raw"},
+        extra_body={"kvsnap": FULL},
+    )
+    follow = client.completions.create(
+        model="tiny-llama",
+        prompt=DOC + completion.choices[0].text + " More.",
+        max_tokens=5,
+        extra_headers={"x-session-id": "oai-raw"},
+    )
+    assert follow.usage.prompt_tokens == len(tok.encode(" More.", add_special_tokens=False)) + 1
+
+
+# -- 2. cache affinity -----------------------------------------------------------------------
+def test_every_follow_up_turn_lands_on_the_holder(service):
+    holders = {}
+    for i in range(20):
+        response = create(service, f"aff-{i}", {"policy": "snapkv", "budget": 16, "window": 4})
+        assert response.status_code == 201, response.text
+    for i in range(20):
+        first = turn(service, f"aff-{i}", "First question?").json()
+        holders[f"aff-{i}"] = first["worker"]
+        assert first["source"] in ("device", "host", "disk"), first
+    assert len(set(holders.values())) == 2  # new sessions were spread over both replicas
+    new_tokens = len(encode_messages(_tok(), [{"role": "user", "content": "Second one?"}], False)) + 1
+    for sid, holder in holders.items():
+        answer = turn(service, sid, "Second one?").json()
+        assert answer["worker"] == holder and answer["source"] in ("device", "host", "disk")
+        assert answer["prompt_tokens"] == new_tokens  # the document was not prefilled again
+
+
+def _tok():
+    from kvsnap.actors.models import ByteTokenizer
+
+    return ByteTokenizer()
+
+
+# -- 5. the error matrix, over both protocols, before any model work --------------------------
+def test_status_mapping_is_complete():
+    errors = [
+        InvalidArgument("x"),
+        Unauthenticated("x"),
+        NotFound("x"),
+        Conflict("x"),
+        PayloadTooLarge("x"),
+        ResourceExhausted("x"),
+        Unavailable("x"),
+        DeadlineExceeded("x"),
+        KvsnapError("x"),
+    ]
+    assert [http_status(e) for e in errors] == [400, 401, 404, 409, 413, 429, 503, 504, 500]
+    assert [grpc_status(e).name for e in errors] == [
+        "INVALID_ARGUMENT",
+        "UNAUTHENTICATED",
+        "NOT_FOUND",
+        "ABORTED",
+        "INVALID_ARGUMENT",
+        "RESOURCE_EXHAUSTED",
+        "UNAVAILABLE",
+        "DEADLINE_EXCEEDED",
+        "INTERNAL",
+    ]
+
+
+@pytest.fixture(scope="module")
+def held_session(service):
+    assert create(service, "err-held").status_code == 201
+    return "err-held"
+
+
+HTTP_CASES = [
+    # (description, method, path, headers key, body, status)
+    ("no key", "get", "/v1/sessions/err-held", None, None, 401),
+    ("bad key", "get", "/v1/sessions/err-held", "nope", None, 401),
+    ("unknown session", "post", "/v1/sessions/ghost/turns", "key-alpha", {"message": "hi"}, 404),
+    ("another tenant's session", "post", "/v1/sessions/err-held/turns", "key-beta", {"message": "hi"}, 404),
+    ("budget 0", "post", "/v1/sessions", "key-alpha", {"document": DOC, "settings": {"budget": 0}}, 400),
+    ("unknown policy", "post", "/v1/sessions", "key-alpha", {"document": DOC, "settings": {"policy": "h3o"}}, 400),
+    ("window > prompt", "post", "/v1/sessions", "key-alpha", {"document": "tiny", "settings": {"window": 64}}, 400),
+    ("empty document", "post", "/v1/sessions", "key-alpha", {"document": ""}, 400),
+    ("bad session id", "post", "/v1/sessions", "key-alpha", {"session_id": "a/b", "document": DOC}, 400),
+    ("max_tokens 0", "post", "/v1/sessions/err-held/turns", "key-alpha", {"message": "q", "max_tokens": 0}, 400),
+    ("top_p 2", "post", "/v1/sessions/err-held/turns", "key-alpha", {"message": "q", "top_p": 2}, 400),
+    ("empty message", "post", "/v1/sessions/err-held/turns", "key-alpha", {"message": ""}, 400),
+    ("unknown field", "post", "/v1/sessions/err-held/turns", "key-alpha", {"message": "q", "bogus": 1}, 400),
+    ("too many tokens", "post", "/v1/sessions", "key-alpha", {"document": "x" * 5000}, 413),
+    ("body too large", "post", "/v1/sessions", "key-alpha", {"document": "x" * 70_000}, 413),
+    (
+        "not extending",
+        "post",
+        "/v1/chat/completions",
+        "key-alpha",
+        {"messages": [{"role": "user", "content": "other"}]},
+        409,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", HTTP_CASES, ids=[c[0] for c in HTTP_CASES])
+def test_http_errors(service, held_session, case):
+    _, method, path, key, body, status = case
+    before = entry(service, held_session)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if "chat" in path:
+        headers["x-session-id"] = held_session
+    response = getattr(requests, method)(f"{service.http}{path}", headers=headers, json=body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["message"]
+    after = entry(service, held_session)
+    assert (after.version, after.log_len) == (before.version, before.log_len)  # nothing stored changed
+
+
+def test_other_tenants_session_reads_like_a_missing_one(service, held_session):
+    theirs = requests.get(f"{service.http}/v1/sessions/{held_session}", headers=service.headers("key-beta"))
+    missing = requests.get(f"{service.http}/v1/sessions/never-was", headers=service.headers("key-beta"))
+    assert theirs.status_code == missing.status_code == 404
+    assert theirs.json()["error"]["message"].replace(held_session, "X") == missing.json()["error"]["message"].replace(
+        "never-was", "X"
+    )
+
+
+GRPC_CASES = [
+    ("no key", "GetSession", lambda: pb2.SessionRef(session_id="err-held"), None, "UNAUTHENTICATED"),
+    ("bad key", "GetSession", lambda: pb2.SessionRef(session_id="err-held"), "nope", "UNAUTHENTICATED"),
+    ("unknown session", "Turn", lambda: pb2.TurnRequest(session_id="ghost", message="hi"), "key-alpha", "NOT_FOUND"),
+    ("another tenant's", "Turn", lambda: pb2.TurnRequest(session_id="err-held", message="hi"), "key-beta", "NOT_FOUND"),
+    (
+        "budget 0",
+        "CreateSession",
+        lambda: pb2.CreateSessionRequest(document=DOC, settings=pb2.SessionSettings(policy="snapkv", budget=-1)),
+        "key-alpha",
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "unknown policy",
+        "CreateSession",
+        lambda: pb2.CreateSessionRequest(document=DOC, settings=pb2.SessionSettings(policy="h3o")),
+        "key-alpha",
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "NaN temperature",
+        "Turn",
+        lambda: pb2.TurnRequest(session_id="err-held", message="q", sampling=pb2.Sampling(temperature=float("nan"))),
+        "key-alpha",
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "empty message",
+        "Turn",
+        lambda: pb2.TurnRequest(session_id="err-held", message=""),
+        "key-alpha",
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "too many tokens",
+        "CreateSession",
+        lambda: pb2.CreateSessionRequest(document="x" * 5000),
+        "key-alpha",
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "message too large",
+        "CreateSession",
+        lambda: pb2.CreateSessionRequest(document="x" * 70_000),
+        "key-alpha",
+        "RESOURCE_EXHAUSTED",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", GRPC_CASES, ids=[c[0] for c in GRPC_CASES])
+def test_grpc_errors(service, held_session, case):
+    _, method, request, key, code = case
+    before = entry(service, held_session)
+    call = getattr(grpc_stub(service), method)
+    with pytest.raises(grpc.RpcError) as error:
+        result = call(request(), metadata=md(key) if key else None)
+        list(result) if method == "Turn" else result
+    assert error.value.code().name == code and error.value.details()
+    after = entry(service, held_session)
+    assert (after.version, after.log_len) == (before.version, before.log_len)
+
+
+def test_second_concurrent_turn_is_rejected_with_409_and_aborted(service, held_session):
+    long = turn(service, held_session, "Talk for a while.", max_tokens=2000, stream=True)
+    lines = long.iter_lines()
+    next(line for line in lines if line.startswith(b"data: "))  # the first turn is generating
+    second = turn(service, held_session, "Me too?")
+    assert second.status_code == 409 and "in progress" in second.json()["error"]["message"]
+    with pytest.raises(grpc.RpcError) as error:
+        list(grpc_stub(service).Turn(pb2.TurnRequest(session_id=held_session, message="me?"), metadata=md()))
+    assert error.value.code() == grpc.StatusCode.ABORTED
+    long.close()  # the client goes away: generation stops
+
+
+def test_client_disconnect_stops_generation_and_keeps_the_session(service):
+    assert create(service, "gone", FULL).status_code == 201
+    response = turn(service, "gone", "Go on and on.", max_tokens=3000, stream=True)
+    for line in response.iter_lines():
+        if line.startswith(b"data: "):
+            break
+    response.close()
+    deadline = time.time() + 20
+    while time.time() < deadline and entry(service, "gone").turns < 2:
+        time.sleep(0.2)
+    state = entry(service, "gone")
+    assert state.turns == 2 and state.logical_len < len(DOC) + 3000  # stopped well before max_tokens
+    assert turn(service, "gone", "Still there?").status_code == 200
+
+
+def test_overload_is_answered_429_with_retry_after(service):
+    sids = [f"flood-{i}" for i in range(12)]
+    for sid in sids:
+        assert create(service, sid, FULL, document="A short document. " * 4).status_code == 201
+
+    def hammer(sid):
+        return turn(service, sid, "Write a lot.", max_tokens=1500)
+
+    with ThreadPoolExecutor(len(sids)) as pool:
+        responses = list(pool.map(hammer, sids))
+    codes = sorted(r.status_code for r in responses)
+    assert 429 in codes and 200 in codes, codes
+    assert all(r.headers.get("Retry-After") for r in responses if r.status_code == 429)
+    assert set(codes) <= {200, 429}
+
+
+def test_metrics_and_health(service):
+    assert requests.get(f"{service.http}/health").json() == {"status": "ok"}
+    assert requests.get(f"{service.http}/metrics").status_code == 401
+    text = requests.get(f"{service.http}/metrics", headers=service.headers()).text
+    for name in (
+        "kvsnap_ttft_seconds_bucket",
+        "kvsnap_time_per_output_token_seconds_bucket",
+        "kvsnap_prompt_tokens_total",
+        "kvsnap_generated_tokens_total",
+        "kvsnap_kv_bytes",
+        "kvsnap_sessions",
+        "kvsnap_affinity_hits_total",
+        "kvsnap_session_moves_total",
+        "kvsnap_session_rebuilds_total",
+    ):
+        assert name in text, name
+    assert requests.get(f"{service.http}/openapi.json").json()["paths"]["/v1/sessions"]
+
+
+# -- 3 and 4. moves: a killed holder, a drained holder, an overloaded holder ---------------------
+def test_overloaded_holder_gives_up_the_session(service, llama_engine):
+    assert create(service, "ovl-target", FULL).status_code == 201
+    holder = turn(service, "ovl-target", QUESTIONS[0]).json()["worker"]
+    busy = []
+    i = 0
+    while len(busy) < 2:  # two more sessions on the same holder, kept busy
+        assert create(service, f"ovl-{i}", FULL, document="Busy. " * 10).status_code == 201
+        if turn(service, f"ovl-{i}", "Hi", max_tokens=1).json()["worker"] == holder:
+            busy.append(f"ovl-{i}")
+        i += 1
+    # The holder works on one turn at a time: two long ones in flight keep it busy for seconds.
+    with ThreadPoolExecutor(2) as pool:
+        streams = [pool.submit(turn, service, sid, "Talk.", max_tokens=3000, stream=True) for sid in busy]
+        time.sleep(1.0)
+        moved = turn(service, "ovl-target", QUESTIONS[1]).json()
+        for s in streams:
+            s.result().close()
+    assert moved["worker"] != holder and moved["source"] == "rebuilt"
+    assert moved["text"] == reference_answers(llama_engine, DOC, QUESTIONS[:2], 6)[-1]
+
+
+def test_killed_holder_is_replaced_and_the_session_rebuilt(service, llama_engine):
+    import ray
+
+    assert create(service, "kill-me", FULL).status_code == 201
+    holder = turn(service, "kill-me", QUESTIONS[0]).json()["worker"]
+    name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(f"#{holder}"))
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    answer = turn(service, "kill-me", QUESTIONS[1])
+    assert answer.status_code == 200, answer.text
+    answer = answer.json()
+    assert answer["worker"] != holder and answer["source"] in ("rebuilt", "imported")
+    assert answer["text"] == reference_answers(llama_engine, DOC, QUESTIONS[:2], 6)[-1]
+
+
+def test_drained_holder_hands_its_sessions_over(service, llama_engine):
+    sids = ["drain-a", "drain-b"]
+    holders = {}
+    for sid in sids:
+        assert create(service, sid, FULL).status_code == 201
+        holders[sid] = turn(service, sid, QUESTIONS[0]).json()["worker"]
+    victim = holders["drain-a"]
+    drained = requests.post(f"{service.http}/v1/admin/workers/{victim}/drain", headers=service.headers()).json()
+    assert drained["exported"] >= 1
+    time.sleep(1.5)  # routing stats carry the draining flag within a second
+    want = reference_answers(llama_engine, DOC, QUESTIONS[:2], 6)[-1]
+    for sid in sids:
+        answer = turn(service, sid, QUESTIONS[1]).json()
+        if holders[sid] == victim:
+            assert answer["worker"] != victim and answer["source"] == "imported"
+        assert answer["text"] == want
