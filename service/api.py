@@ -146,7 +146,14 @@ class SessionAPI:
         return state_view(outcome.state)
 
     def turn(
-        self, tenant: str, session_id: str, message: str, sampling: dict, raw: bool, protocol: str
+        self,
+        tenant: str,
+        session_id: str,
+        message: str,
+        sampling: dict,
+        raw: bool,
+        protocol: str,
+        streaming: bool = True,
     ) -> AsyncIterator[dict]:
         """Validated before the first event is awaited: errors surface before any model work."""
         sid = check_id("session id", session_id)
@@ -156,7 +163,7 @@ class SessionAPI:
         role, answer = ("prompt", "completion") if raw else ("user", "assistant")
         new = [{"role": role, "content": message}]
         tokens = self.raw_tokens(message, first=False) if raw else self.tokens(new, first=False)
-        return self._stream("turn", tenant, sid, protocol, tokens, params, new, answer)
+        return self._stream("turn", tenant, sid, protocol, tokens, params, new, answer, streaming=streaming)
 
     async def get(self, tenant: str, session_id: str) -> dict:
         entry = await asyncio.to_thread(self.directory.get, tenant, check_id("session id", session_id))
@@ -181,6 +188,7 @@ class SessionAPI:
         settings: dict | None,
         protocol: str,
         stored: list[dict] | None,
+        streaming: bool = True,
     ) -> AsyncIterator[dict]:
         params = self.sampling(sampling)
         if messages[-1]["role"] != "user":
@@ -190,7 +198,9 @@ class SessionAPI:
             resolved = self.settings(settings, len(tokens))
             self._check_window(resolved, tokens)
             sid = self.session_id(session_id)
-            return self._stream("open", tenant, sid, protocol, tokens, resolved, params, messages, "assistant")
+            return self._stream(
+                "open", tenant, sid, protocol, tokens, resolved, params, messages, "assistant", streaming=streaming
+            )
         if any(m["role"] not in CHAT_ROLES for m in stored):
             raise Conflict("this session was built by /v1/completions; continue it there")
         if len(messages) <= len(stored) or messages[: len(stored)] != stored:
@@ -200,7 +210,15 @@ class SessionAPI:
             )
         new = messages[len(stored) :]
         return self._stream(
-            "turn", tenant, session_id, protocol, self.tokens(new, first=False), params, new, "assistant"
+            "turn",
+            tenant,
+            session_id,
+            protocol,
+            self.tokens(new, first=False),
+            params,
+            new,
+            "assistant",
+            streaming=streaming,
         )
 
     def complete(
@@ -212,6 +230,7 @@ class SessionAPI:
         settings: dict | None,
         protocol: str,
         stored: list[dict] | None,
+        streaming: bool = True,
     ) -> AsyncIterator[dict]:
         params = self.sampling(sampling)
         if not prompt:
@@ -230,6 +249,7 @@ class SessionAPI:
                 params,
                 [{"role": "prompt", "content": prompt}],
                 "completion",
+                streaming=streaming,
             )
         if any(m["role"] not in RAW_ROLES for m in stored):
             raise Conflict("this session was built by the chat API; continue it with /v1/chat/completions")
@@ -242,7 +262,15 @@ class SessionAPI:
         new = prompt[len(transcript) :]
         tokens = self.raw_tokens(new, first=False)
         return self._stream(
-            "turn", tenant, session_id, protocol, tokens, params, [{"role": "prompt", "content": new}], "completion"
+            "turn",
+            tenant,
+            session_id,
+            protocol,
+            tokens,
+            params,
+            [{"role": "prompt", "content": new}],
+            "completion",
+            streaming=streaming,
         )
 
     async def stored_messages(self, tenant: str, session_id: str | None) -> list[dict] | None:
@@ -263,10 +291,14 @@ class SessionAPI:
                 f"({len(tokens)} tokens); lower `window` or send a longer prompt"
             )
 
-    async def _stream(self, method: str, tenant: str, sid: str, protocol: str, tokens: list[int], *args):
+    async def _stream(
+        self, method: str, tenant: str, sid: str, protocol: str, tokens: list[int], *args, streaming: bool = True
+    ):
         """Events from the worker: {"t": id, "text": delta} per token, then {"done": ..., "outcome": ...}.
 
-        A replica that dies before the first event is retried (the router then moves the session)."""
+        ``streaming=False`` fetches the whole turn in one call (one Ray round trip instead of
+        one per token). A replica that dies before the first event is retried (the router
+        then moves the session)."""
         key = f"{tenant}/{sid}"
         sampling = args[0] if method == "turn" else args[1]  # open: (settings, sampling | None, ...)
         stop = tuple((sampling or {}).get("stop", ()))
@@ -279,10 +311,15 @@ class SessionAPI:
         for attempt in itertools.count():
             got_event = False
             try:
-                handle = self.workers.options(session_id=key, stream=True)
-                gen = getattr(handle, method).remote(tenant, sid, tokens, *args)
+                if streaming:
+                    handle = self.workers.options(session_id=key, stream=True)
+                    gen = getattr(handle, method).remote(tenant, sid, tokens, *args)
+                else:
+                    gen = getattr(self.workers.options(session_id=key), f"{method}_once").remote(
+                        tenant, sid, tokens, *args
+                    )
                 async with asyncio.timeout(max(0.01, deadline - time.monotonic())):
-                    async for event in gen:
+                    async for event in gen if streaming else _aiter(await gen):
                         got_event = True
                         if "t" in event:
                             ids.append(event["t"])
@@ -341,6 +378,11 @@ class SessionAPI:
                     await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
                     continue
                 raise as_kvsnap_error(exc) from None
+
+
+async def _aiter(items):
+    for item in items:
+        yield item
 
 
 def as_kvsnap_error(exc: BaseException) -> KvsnapError:

@@ -19,7 +19,11 @@ def build_app(cfg: ServiceConfig, redis_url: str):
     gpus = cfg.gpus_per_replica if cfg.gpus_per_replica >= 0 else (1 if torch.cuda.is_available() else 0)
     router = RequestRouterConfig(
         request_router_class=AffinityRouter,
-        request_router_kwargs={"redis_url": redis_url, "overload_queue_len": cfg.overload_queue_len},
+        request_router_kwargs={
+            "redis_url": redis_url,
+            "overload_queue_len": cfg.overload_queue_len,
+            "affinity": cfg.routing == "affinity",
+        },
         request_routing_stats_period_s=1.0,
         request_routing_stats_timeout_s=5.0,
     )

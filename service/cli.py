@@ -210,6 +210,36 @@ def cmd_chat(args) -> int:
                 )
 
 
+def cmd_spot_watch(args) -> int:
+    """Run on each GPU spot node: drain it and move its sessions when AWS announces a reclaim."""
+    import functools
+    import os
+
+    import ray
+
+    from kvsnap.service.spot import SpotWatcher, local_worker_replicas, poll_aws, ray_drain_node
+
+    key = args.api_key or os.environ.get("KVSNAP_API_KEY")
+    if not key and args.api_key_file:
+        with open(os.path.expanduser(args.api_key_file), encoding="utf-8") as fh:
+            key = fh.read().strip()
+    if not key:
+        raise SystemExit("kvsnap spot-watch: pass --api-key, --api-key-file or set KVSNAP_API_KEY")
+    ray.init(address=args.ray_address, logging_level="WARNING")
+    node_id = ray.get_runtime_context().get_node_id()
+    watcher = SpotWatcher(
+        kvsnap_url=args.kvsnap_url,
+        api_key=key,
+        poll=functools.partial(poll_aws, args.metadata_url),
+        replicas=functools.partial(local_worker_replicas, node_id),
+        drain_node=functools.partial(ray_drain_node, node_id),
+        interval_s=args.interval,
+    )
+    print(f"watching {args.metadata_url} every {args.interval}s for node {node_id}", flush=True)
+    watcher.run()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvsnap", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -252,6 +282,15 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--window", type=int, default=32)
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.set_defaults(func=cmd_chat)
+
+    spot = sub.add_parser("spot-watch", help="on a spot node: drain it and move its sessions on an interruption")
+    spot.add_argument("--kvsnap-url", default="http://127.0.0.1:8000")
+    spot.add_argument("--api-key", default=None)
+    spot.add_argument("--api-key-file", default=None)
+    spot.add_argument("--metadata-url", default="http://169.254.169.254", help="instance metadata endpoint")
+    spot.add_argument("--interval", type=float, default=5.0, help="seconds between polls")
+    spot.add_argument("--ray-address", default="auto")
+    spot.set_defaults(func=cmd_spot_watch)
     return parser
 
 

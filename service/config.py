@@ -53,6 +53,11 @@ class ServiceConfig(BaseModel):
         ge=1,
         description="a holder with this many ongoing requests gives up new turns of its sessions to another replica",
     )
+    routing: str = Field(
+        "affinity",
+        pattern="^(affinity|round_robin)$",
+        description="affinity (default) or round_robin (a baseline for benchmarks)",
+    )
     session_ttl_s: int = Field(24 * 3600, ge=1, description="idle sessions expire after this")
     defaults: PolicyDefaults = Field(default_factory=PolicyDefaults)
 

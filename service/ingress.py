@@ -85,7 +85,7 @@ async def _validation_error(request: Request, exc: RequestValidationError):
 async def _edge(request: Request, call_next):
     """Auth and body size, before anything else runs; one request counter for all routes."""
     ingress: Ingress = _current()
-    route = request.url.path
+    route = request.url.path.removeprefix(request.scope.get("root_path", ""))
     try:
         if route not in OPEN_PATHS:
             request.state.tenant = tenant_for(ingress.cfg.api_keys, request.headers.get("authorization"))
@@ -137,7 +137,9 @@ async def create_session(body: CreateSession, request: Request):
 )
 async def session_turn(session_id: str, body: Turn, request: Request):
     fields = body.model_dump(exclude={"message", "raw", "stream"})
-    events = _api(request).turn(request.state.tenant, session_id, body.message, fields, body.raw, "http")
+    events = _api(request).turn(
+        request.state.tenant, session_id, body.message, fields, body.raw, "http", streaming=body.stream
+    )
     if body.stream:
         return await _sse(events, lambda e: {"text": e["text"]} if "text" in e else _answer(e["outcome"]), request)
     return _answer(await _final(events))
@@ -177,7 +179,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         include={"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
     )
     settings = body.kvsnap.model_dump() if body.kvsnap else None
-    events = api.chat(tenant, sid, messages, sampling, settings, "http", stored)
+    events = api.chat(tenant, sid, messages, sampling, settings, "http", stored, streaming=body.stream)
     return await _openai(events, request, sid, chat=True, stream=body.stream)
 
 
@@ -190,7 +192,7 @@ async def completions(body: CompletionRequest, request: Request):
     stored = await api.stored_messages(tenant, sid)
     sampling = body.model_dump(include={"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
     settings = body.kvsnap.model_dump() if body.kvsnap else None
-    events = api.complete(tenant, sid, body.prompt, sampling, settings, "http", stored)
+    events = api.complete(tenant, sid, body.prompt, sampling, settings, "http", stored, streaming=body.stream)
     return await _openai(events, request, sid, chat=False, stream=body.stream)
 
 

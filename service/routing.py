@@ -13,6 +13,7 @@ counted by the worker). ``session_id = "worker:<id>"`` addresses one replica
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -26,10 +27,14 @@ PLACEMENT_MEMORY_S = 2.0  # > the routing-stats period (1 s)
 
 
 class AffinityRouter(FIFOMixin, RequestRouter):
-    def initialize_state(self, redis_url: str = "", prefix: str = "kvsnap", overload_queue_len: int = 8, **_):
+    def initialize_state(
+        self, redis_url: str = "", prefix: str = "kvsnap", overload_queue_len: int = 8, affinity: bool = True, **_
+    ):
         self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.prefix = prefix
         self.overload_queue_len = overload_queue_len
+        self.affinity = affinity  # False: plain round-robin, the baseline the benchmark compares against
+        self._cursor = 0
         # Routing stats lag by up to a second: sessions placed since then count as load too.
         self._placed: dict[str, deque[float]] = {}
 
@@ -43,6 +48,11 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         if key.startswith("worker:"):  # an admin call for one replica
             target = by_id.get(key[len("worker:") :])
             return [[target]] if target else [candidate_replicas]
+
+        if not self.affinity:
+            self._cursor += 1
+            ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+            return [[ordered[(self._cursor + i) % len(ordered)]] for i in range(len(ordered))]
 
         if "/" in key:
             holder = by_id.get(await self._owner(key))
@@ -78,13 +88,18 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         return bool((replica.routing_stats or {}).get("draining"))
 
     async def _unfit(self, replica) -> bool:
-        """Draining, unreachable, or with ``overload_queue_len`` requests in flight (asked, not cached)."""
+        """Draining, dead, or with ``overload_queue_len`` requests in flight (asked, not cached).
+
+        A probe that merely times out means a busy replica, not a dead one: the session stays
+        (moving it would cost a full re-prefill elsewhere)."""
         if self._draining(replica):
             return True
         try:
-            ongoing = await replica.get_queue_len(deadline_s=1.0)
-        except Exception as exc:  # dead or hung: the session moves
-            log.warning("affinity router: holder %s unreachable (%s)", replica.replica_id.unique_id, exc)
+            ongoing = await asyncio.wait_for(replica.get_queue_len(deadline_s=1.0), timeout=1.0)
+        except TimeoutError:
+            return False
+        except Exception as exc:  # the actor is gone: the session moves
+            log.warning("affinity router: holder %s unreachable (%r)", replica.replica_id.unique_id, exc)
             return True
         return ongoing >= self.overload_queue_len
 

@@ -93,6 +93,13 @@ class WorkerReplica:
         )
         yield from self._events(tenant, session_id, stream)
 
+    # Non-streaming requests: the whole turn in one Ray round trip instead of one per token.
+    def open_once(self, *args) -> list[dict]:
+        return list(self.open(*args))
+
+    def turn_once(self, *args) -> list[dict]:
+        return list(self.turn(*args))
+
     def state(self, tenant: str, session_id: str) -> dict:
         return asdict(self.worker.state(tenant, session_id))
 

@@ -73,6 +73,28 @@ def sse_events(response: requests.Response) -> list[dict]:
     ]
 
 
+def kill_replica(worker_id: str) -> None:
+    import ray
+
+    name = next(
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(f"#{worker_id}")
+    )
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+
+def wait_for_workers(count: int = 2, timeout_s: float = 90) -> None:
+    """Until Serve runs ``count`` healthy worker replicas again (after a kill or a drain)."""
+    from ray import serve
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        status = serve.status().applications["kvsnap"].deployments["Worker"]
+        if status.status == "HEALTHY" and status.replica_states.get("RUNNING", 0) == count:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"worker replicas did not recover: {status}")
+
+
 def grpc_stub(service):
     return pb2_grpc.KvsnapStub(grpc.insecure_channel(service.grpc))
 
@@ -429,6 +451,7 @@ def test_killed_holder_is_replaced_and_the_session_rebuilt(service, llama_engine
     answer = answer.json()
     assert answer["worker"] != holder and answer["source"] in ("rebuilt", "imported")
     assert answer["text"] == reference_answers(llama_engine, DOC, QUESTIONS[:2], 6)[-1]
+    wait_for_workers()
 
 
 def test_drained_holder_hands_its_sessions_over(service, llama_engine):
@@ -442,8 +465,12 @@ def test_drained_holder_hands_its_sessions_over(service, llama_engine):
     assert drained["exported"] >= 1
     time.sleep(1.5)  # routing stats carry the draining flag within a second
     want = reference_answers(llama_engine, DOC, QUESTIONS[:2], 6)[-1]
-    for sid in sids:
-        answer = turn(service, sid, QUESTIONS[1]).json()
-        if holders[sid] == victim:
-            assert answer["worker"] != victim and answer["source"] == "imported"
-        assert answer["text"] == want
+    try:
+        for sid in sids:
+            answer = turn(service, sid, QUESTIONS[1]).json()
+            if holders[sid] == victim:
+                assert answer["worker"] != victim and answer["source"] == "imported"
+            assert answer["text"] == want
+    finally:  # a drained replica is on its way out: replace it, as its node's end would
+        kill_replica(victim)
+        wait_for_workers()
