@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.kvsnap-installed
 TORCH   ?= torch==2.13.0
 ARGS    ?=
 
-.PHONY: install run generate test test-fast lint bench proto clean
+.PHONY: install run generate test test-fast lint bench proto clean cluster-up cluster-deploy cluster-status cluster-dashboard cluster-down
 
 install: $(STAMP)
 
@@ -45,3 +45,24 @@ generate: $(STAMP)  ## one in-process session over a long pass-key prompt (no Ra
 
 proto: $(STAMP)  ## (re)generate the gRPC stubs from proto/kvsnap.proto
 	$(BIN)/python -m kvsnap.service.grpc_stubs
+
+# -- cluster (see cluster/README.md); needs AWS credentials and the `ray` CLI --------------
+CLUSTER ?= cluster/aws.yaml
+
+cluster-up: $(STAMP)
+	@test -n "$$KVSNAP_API_KEYS" || (echo "export KVSNAP_API_KEYS=key:tenant,... first" && false)
+	@mkdir -p ~/.kvsnap && umask 077 && echo "KVSNAP_API_KEYS=$$KVSNAP_API_KEYS" > ~/.kvsnap/cluster.env \
+		&& echo "$$KVSNAP_API_KEYS" | cut -d, -f1 | cut -d: -f1 > ~/.kvsnap/cluster.key
+	$(BIN)/ray up -y $(CLUSTER)
+
+cluster-deploy: $(STAMP)
+	$(BIN)/ray exec $(CLUSTER) "cd ~/kvsnap && set -a && . ~/kvsnap.env && set +a && serve deploy cluster/serve.yaml"
+
+cluster-status: $(STAMP)
+	$(BIN)/ray exec $(CLUSTER) "serve status; ray status"
+
+cluster-dashboard: $(STAMP)
+	$(BIN)/ray dashboard $(CLUSTER)
+
+cluster-down: $(STAMP)
+	$(BIN)/ray down -y $(CLUSTER)

@@ -13,7 +13,6 @@ counted by the worker). ``session_id = "worker:<id>"`` addresses one replica
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
@@ -56,7 +55,7 @@ class AffinityRouter(FIFOMixin, RequestRouter):
 
         if "/" in key:
             holder = by_id.get(await self._owner(key))
-            if holder is not None and not await self._unfit(holder):
+            if holder is not None and not self._unfit(holder):
                 return [[holder]]
 
         pending_request.routing_context.placing = True  # read back in on_request_routed
@@ -87,21 +86,11 @@ class AffinityRouter(FIFOMixin, RequestRouter):
     def _draining(replica) -> bool:
         return bool((replica.routing_stats or {}).get("draining"))
 
-    async def _unfit(self, replica) -> bool:
-        """Draining, dead, or with ``overload_queue_len`` requests in flight (asked, not cached).
-
-        A probe that merely times out means a busy replica, not a dead one: the session stays
-        (moving it would cost a full re-prefill elsewhere)."""
-        if self._draining(replica):
-            return True
-        try:
-            ongoing = await asyncio.wait_for(replica.get_queue_len(deadline_s=1.0), timeout=1.0)
-        except TimeoutError:
-            return False
-        except Exception as exc:  # the actor is gone: the session moves
-            log.warning("affinity router: holder %s unreachable (%r)", replica.replica_id.unique_id, exc)
-            return True
-        return ongoing >= self.overload_queue_len
+    def _unfit(self, replica) -> bool:
+        """Draining, or with ``overload_queue_len`` requests in flight by this router's count or
+        the replica's last report (no extra round trip on the hot path). A dead holder is
+        dropped from the candidates by Serve; until then its turns fail and are retried."""
+        return self._draining(replica) or self._queue_len(replica) >= self.overload_queue_len
 
     def _load(self, replicas):
         """Sort key: KV bytes held (plus a typical session per recent placement), then queue length."""
