@@ -142,6 +142,11 @@ def unpack_tokens(chunks: list[bytes]) -> list[int]:
     return packed.tolist()
 
 
+def session_key(prefix: str, tenant: str, session_id: str) -> str:
+    """The Redis key of a session's entry hash (the router reads it too)."""
+    return f"{prefix}:s:{check_id('tenant', tenant)}:{check_id('session id', session_id)}"
+
+
 def _pack_messages(messages: list[dict] | None) -> str:
     return json.dumps(messages) if messages else ""
 
@@ -181,7 +186,7 @@ class SessionDirectory:
 
     # -- keys ----------------------------------------------------------------------------
     def session_key(self, tenant: str, session_id: str) -> str:
-        return f"{self.prefix}:s:{check_id('tenant', tenant)}:{check_id('session id', session_id)}"
+        return session_key(self.prefix, tenant, session_id)
 
     def log_key(self, tenant: str, session_id: str) -> str:
         return f"{self.prefix}:t:{check_id('tenant', tenant)}:{check_id('session id', session_id)}"

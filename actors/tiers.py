@@ -102,7 +102,7 @@ class Tier:
 
     @property
     def bytes_used(self) -> int:
-        return sum(self.sizes.values())
+        return sum(list(self.sizes.values()))  # list(): a consistent copy while a turn may be writing
 
     def __contains__(self, key: str) -> bool:
         return key in self.sizes

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvsnap.errors import Conflict, InvalidArgument, NotFound, Unavailable
+from kvsnap.errors import Conflict, NotFound, Unavailable
 from kvsnap.policies import Policy, policy_from_json, policy_to_json
 
 from .cache import export_kv, import_kv
@@ -418,4 +418,4 @@ def _copy(entry: SessionEntry) -> SessionEntry:
     return SessionEntry(**{f: getattr(entry, f) for f in entry.__slots__})
 
 
-__all__ = ["Held", "InvalidArgument", "Worker"]
+__all__ = ["Held", "Worker"]

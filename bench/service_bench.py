@@ -7,7 +7,8 @@
    affinity does: a turn that lands elsewhere is rebuilt from the token log).
 
 Usage: python bench/service_bench.py [--model gemma3-270m] [--context 2048] [--sessions 16] [--turns 3]
-Starts its own local Ray, embedded Redis and Serve app (twice: one per routing mode).
+Each phase (overhead, affinity, round_robin) runs in its own process with its own local
+Ray, embedded Redis and Serve app.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -56,11 +59,19 @@ def start(model: str, routing: str, redis_url: str, data_dir: str) -> ServiceCon
     )
     serve.start(http_options={"host": "127.0.0.1", "port": cfg.http_port})
     serve.run(build_app(cfg, redis_url), name=APP_NAME, route_prefix="/")
-    return cfg
+    deadline = time.time() + 120  # the HTTP proxy may still be (re)starting
+    while True:
+        try:
+            if requests.get(f"http://127.0.0.1:{cfg.http_port}/health", timeout=2).ok:
+                return cfg
+        except requests.ConnectionError:
+            if time.time() > deadline:
+                raise
+        time.sleep(0.5)
 
 
 def stop() -> None:
-    serve.delete(APP_NAME)  # blocks until its replicas are gone and their CPUs free
+    serve.delete(APP_NAME)
 
 
 def overhead(model: str, reps: int, redis_url: str, data_dir: str) -> dict:
@@ -154,6 +165,21 @@ def load(model: str, routing: str, sessions: int, context: int, turns: int, redi
     }
 
 
+def run_phase(args) -> dict:
+    """One phase in this process: its own local Ray, embedded Redis and Serve app."""
+    data = tempfile.mkdtemp(prefix="kvsnap-bench-")
+    redis = EmbeddedRedis(Path(data) / "redis").start()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    try:
+        if args.phase == "overhead":
+            return overhead(args.overhead_model, args.reps, redis.url, data)
+        return load(args.model, args.phase, args.sessions, args.context, args.turns, redis.url, data)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        redis.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gemma3-270m")
@@ -162,42 +188,37 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--phase", choices=["overhead", "affinity", "round_robin"], default=None,
+                    help="run one phase and print its JSON (the default runs all three, one process each)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "service_bench.json"))
     args = ap.parse_args()
+    if args.phase:
+        print("RESULT " + json.dumps(run_phase(args)), flush=True)
+        return
 
-    data = tempfile.mkdtemp(prefix="kvsnap-bench-")
-    redis = EmbeddedRedis(Path(data) / "redis").start()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    try:
-        result = {"overhead": overhead(args.overhead_model, args.reps, redis.url, data)}
-        print(json.dumps(result["overhead"], indent=1), flush=True)
-        result["affinity"] = load(args.model, "affinity", args.sessions, args.context, args.turns, redis.url, data)
-        print(json.dumps(result["affinity"], indent=1), flush=True)
-        result["round_robin"] = load(
-            args.model, "round_robin", args.sessions, args.context, args.turns, redis.url, data
-        )
-        print(json.dumps(result["round_robin"], indent=1), flush=True)
-    finally:
-        ray.shutdown()
-        redis.stop()
+    result = {"args": vars(args)}
+    for phase in ("overhead", "affinity", "round_robin"):  # a fresh Ray per phase: nothing carries over
+        cmd = [sys.executable, __file__, "--phase", phase] + [
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("phase", "out")]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            raise SystemExit(f"phase {phase} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        result[phase] = json.loads(line[len("RESULT "):])
+        print(phase, json.dumps(result[phase]), flush=True)
     gain = result["affinity"]["turns_per_s"] / result["round_robin"]["turns_per_s"]
     result["routing_gain"] = gain
-    result["args"] = vars(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     o = result["overhead"]
-    print(
-        f"\nservice overhead ({args.overhead_model}, 4-token turn, median of {args.reps}): "
-        f"HTTP +{o['http_added_ms']:.1f} ms, gRPC +{o['grpc_added_ms']:.1f} ms over in-process "
-        f"{o['median_s']['in_process'] * 1e3:.1f} ms"
-    )
+    print(f"\nservice overhead ({args.overhead_model}, 4-token turn, median of {args.reps}): "
+          f"HTTP +{o['http_added_ms']:.1f} ms, gRPC +{o['grpc_added_ms']:.1f} ms over in-process "
+          f"{o['median_s']['in_process'] * 1e3:.1f} ms")
     a, r = result["affinity"], result["round_robin"]
-    print(
-        f"{args.sessions} sessions x {args.turns} follow-ups at {a['context_tokens']} tokens ({args.model}): "
-        f"affinity {a['turns_per_s']:.2f} turns/s (p99 {a['p99_s']:.1f}s, hits {a['affinity_hits']}/{a['turns']}) "
-        f"vs round-robin {r['turns_per_s']:.2f} turns/s (p99 {r['p99_s']:.1f}s, hits {r['affinity_hits']}) "
-        f"-> {gain:.1f}x"
-    )
+    print(f"{args.sessions} sessions x {args.turns} follow-ups at {a['context_tokens']} tokens ({args.model}): "
+          f"affinity {a['turns_per_s']:.2f} turns/s (p99 {a['p99_s']:.1f}s, hits {a['affinity_hits']}/{a['turns']}) "
+          f"vs round-robin {r['turns_per_s']:.2f} turns/s (p99 {r['p99_s']:.1f}s, hits {r['affinity_hits']}) "
+          f"-> {gain:.1f}x")
 
 
 if __name__ == "__main__":

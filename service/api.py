@@ -135,14 +135,9 @@ class SessionAPI:
         sid = self.session_id(session_id)
         if not document:
             raise InvalidArgument("document is empty")
-        tokens = self.tokens([{"role": "document", "content": document}], first=True)
-        resolved = self.settings(settings, len(tokens))
-        self._check_window(resolved, tokens)
-        outcome = await self._drain(
-            self._stream(
-                "open", tenant, sid, protocol, tokens, resolved, None, [{"role": "document", "content": document}], None
-            )
-        )
+        log = [{"role": "document", "content": document}]
+        tokens = self.tokens(log, first=True)
+        outcome = await self._drain(self._open(tenant, sid, protocol, tokens, settings, None, log, None, False))
         return state_view(outcome.state)
 
     def turn(
@@ -193,14 +188,9 @@ class SessionAPI:
         params = self.sampling(sampling)
         if messages[-1]["role"] != "user":
             raise InvalidArgument("the last message must come from the user")
-        if stored is None:  # a new session (or a stateless request)
+        if stored is None:  # a new session under this id
             tokens = self.tokens(messages, first=True)
-            resolved = self.settings(settings, len(tokens))
-            self._check_window(resolved, tokens)
-            sid = self.session_id(session_id)
-            return self._stream(
-                "open", tenant, sid, protocol, tokens, resolved, params, messages, "assistant", streaming=streaming
-            )
+            return self._open(tenant, session_id, protocol, tokens, settings, params, messages, "assistant", streaming)
         if any(m["role"] not in CHAT_ROLES for m in stored):
             raise Conflict("this session was built by /v1/completions; continue it there")
         if len(messages) <= len(stored) or messages[: len(stored)] != stored:
@@ -237,19 +227,16 @@ class SessionAPI:
             raise InvalidArgument("prompt is empty")
         if stored is None:
             tokens = self.raw_tokens(prompt, first=True)
-            resolved = self.settings(settings, len(tokens))
-            self._check_window(resolved, tokens)
-            return self._stream(
-                "open",
+            return self._open(
                 tenant,
-                self.session_id(session_id),
+                session_id,
                 protocol,
                 tokens,
-                resolved,
+                settings,
                 params,
                 [{"role": "prompt", "content": prompt}],
                 "completion",
-                streaming=streaming,
+                streaming,
             )
         if any(m["role"] not in RAW_ROLES for m in stored):
             raise Conflict("this session was built by the chat API; continue it with /v1/chat/completions")
@@ -284,6 +271,34 @@ class SessionAPI:
         return await asyncio.to_thread(self.directory.messages, tenant, sid)
 
     # -- plumbing ------------------------------------------------------------------------
+    def _open(
+        self,
+        tenant: str,
+        session_id: str | None,
+        protocol: str,
+        tokens: list[int],
+        settings: dict | None,
+        sampling: dict | None,
+        log: list[dict],
+        answer_role: str | None,
+        streaming: bool,
+    ):
+        """A new session from its first tokens: settings resolved and checked before any model work."""
+        resolved = self.settings(settings, len(tokens))
+        self._check_window(resolved, tokens)
+        return self._stream(
+            "open",
+            tenant,
+            self.session_id(session_id),
+            protocol,
+            tokens,
+            resolved,
+            sampling,
+            log,
+            answer_role,
+            streaming=streaming,
+        )
+
     def _check_window(self, settings: dict, tokens: list[int]) -> None:
         if settings["policy"] != "full" and settings["window"] > len(tokens):
             raise InvalidArgument(

@@ -169,31 +169,30 @@ async def models(request: Request):
 
 @app.post("/v1/chat/completions", summary="OpenAI-compatible; x-session-id keeps the conversation's KV")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    api = _api(request)
-    if body.n not in (None, 1):
-        raise InvalidArgument("only n=1 is supported")
-    tenant, sid = request.state.tenant, request.headers.get("x-session-id")
+    api, tenant, sid, stored, settings = await _openai_request(body, request)
     messages = [m.model_dump() for m in body.messages]
-    stored = await api.stored_messages(tenant, sid)
     sampling = body.model_dump(
         include={"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
     )
-    settings = body.kvsnap.model_dump() if body.kvsnap else None
     events = api.chat(tenant, sid, messages, sampling, settings, "http", stored, streaming=body.stream)
     return await _openai(events, request, sid, chat=True, stream=body.stream)
 
 
 @app.post("/v1/completions", summary="OpenAI-compatible; with x-session-id the prompt extends the session's text")
 async def completions(body: CompletionRequest, request: Request):
-    api = _api(request)
-    if body.n not in (None, 1):
-        raise InvalidArgument("only n=1 is supported")
-    tenant, sid = request.state.tenant, request.headers.get("x-session-id")
-    stored = await api.stored_messages(tenant, sid)
+    api, tenant, sid, stored, settings = await _openai_request(body, request)
     sampling = body.model_dump(include={"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
-    settings = body.kvsnap.model_dump() if body.kvsnap else None
     events = api.complete(tenant, sid, body.prompt, sampling, settings, "http", stored, streaming=body.stream)
     return await _openai(events, request, sid, chat=False, stream=body.stream)
+
+
+async def _openai_request(body, request: Request):
+    """What both OpenAI routes need: the tenant, the session (x-session-id) and its message log."""
+    if body.n not in (None, 1):
+        raise InvalidArgument("only n=1 is supported")
+    api, tenant, sid = _api(request), request.state.tenant, request.headers.get("x-session-id")
+    settings = body.kvsnap.model_dump() if body.kvsnap else None
+    return api, tenant, sid, await api.stored_messages(tenant, sid), settings
 
 
 # -- response shaping ------------------------------------------------------------------------

@@ -16,20 +16,26 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 import redis.asyncio as aioredis
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
+from kvsnap.actors.directory import session_key
+
 log = logging.getLogger(__name__)
 PLACEMENT_MEMORY_S = 2.0  # > the routing-stats period (1 s)
+OWNER_CACHE_SIZE = 100_000
 
 
 class AffinityRouter(FIFOMixin, RequestRouter):
     def initialize_state(
         self, redis_url: str = "", prefix: str = "kvsnap", overload_queue_len: int = 8, affinity: bool = True, **_
     ):
-        self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=5.0, socket_connect_timeout=2.0)
+        # Last owner seen per session: under heavy load a Redis answer can be slow, and a
+        # failed lookup must not send a turn away from its cache.
+        self._owners: OrderedDict[str, str] = OrderedDict()
         self.prefix = prefix
         self.overload_queue_len = overload_queue_len
         self.affinity = affinity  # False: plain round-robin, the baseline the benchmark compares against
@@ -71,11 +77,16 @@ class AffinityRouter(FIFOMixin, RequestRouter):
     async def _owner(self, key: str) -> str:
         tenant, _, session_id = key.partition("/")
         try:
-            owner = await self.redis.hget(f"{self.prefix}:s:{tenant}:{session_id}", "owner")
-        except Exception as exc:  # Redis down: route by load; the worker answers Unavailable if unsafe
-            log.warning("affinity router: owner lookup failed (%s)", exc)
-            return ""
-        return owner.decode() if owner else ""
+            owner = await self.redis.hget(session_key(self.prefix, tenant, session_id), "owner")
+        except Exception as exc:  # Redis slow or down: the last owner seen, else route by load
+            log.warning("affinity router: owner lookup failed (%s); using the last known owner", exc)
+            return self._owners.get(key, "")
+        owner = owner.decode() if owner else ""
+        self._owners[key] = owner
+        self._owners.move_to_end(key)
+        while len(self._owners) > OWNER_CACHE_SIZE:
+            self._owners.popitem(last=False)
+        return owner
 
     def _queue_len(self, replica) -> int:
         cached = self.replica_queue_len_cache.get(replica.replica_id)

@@ -44,8 +44,9 @@ class WorkerReplica:
         self.ongoing = 0
         log.info("worker %s ready: %s on %s (pid %d)", self.worker_id, cfg.model, loaded.device, os.getpid())
 
-    # Ray Serve calls this periodically; the affinity router reads it from each replica.
-    def record_routing_stats(self) -> dict:
+    # Ray Serve calls this periodically; the affinity router reads it from each replica. Async, so
+    # it answers from the replica's event loop even while every request thread is busy.
+    async def record_routing_stats(self) -> dict:
         return {
             "kv_bytes": sum(self.worker.store.bytes_by_tier().values()),
             "sessions": len(self.worker.held),
