@@ -188,8 +188,12 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--phase", choices=["overhead", "affinity", "round_robin"], default=None,
-                    help="run one phase and print its JSON (the default runs all three, one process each)")
+    ap.add_argument(
+        "--phase",
+        choices=["overhead", "affinity", "round_robin"],
+        default=None,
+        help="run one phase and print its JSON (the default runs all three, one process each)",
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "service_bench.json"))
     args = ap.parse_args()
     if args.phase:
@@ -199,26 +203,31 @@ def main() -> None:
     result = {"args": vars(args)}
     for phase in ("overhead", "affinity", "round_robin"):  # a fresh Ray per phase: nothing carries over
         cmd = [sys.executable, __file__, "--phase", phase] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("phase", "out")]
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("phase", "out")
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
             raise SystemExit(f"phase {phase} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-        result[phase] = json.loads(line[len("RESULT "):])
+        result[phase] = json.loads(line[len("RESULT ") :])
         print(phase, json.dumps(result[phase]), flush=True)
     gain = result["affinity"]["turns_per_s"] / result["round_robin"]["turns_per_s"]
     result["routing_gain"] = gain
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     o = result["overhead"]
-    print(f"\nservice overhead ({args.overhead_model}, 4-token turn, median of {args.reps}): "
-          f"HTTP +{o['http_added_ms']:.1f} ms, gRPC +{o['grpc_added_ms']:.1f} ms over in-process "
-          f"{o['median_s']['in_process'] * 1e3:.1f} ms")
+    print(
+        f"\nservice overhead ({args.overhead_model}, 4-token turn, median of {args.reps}): "
+        f"HTTP +{o['http_added_ms']:.1f} ms, gRPC +{o['grpc_added_ms']:.1f} ms over in-process "
+        f"{o['median_s']['in_process'] * 1e3:.1f} ms"
+    )
     a, r = result["affinity"], result["round_robin"]
-    print(f"{args.sessions} sessions x {args.turns} follow-ups at {a['context_tokens']} tokens ({args.model}): "
-          f"affinity {a['turns_per_s']:.2f} turns/s (p99 {a['p99_s']:.1f}s, hits {a['affinity_hits']}/{a['turns']}) "
-          f"vs round-robin {r['turns_per_s']:.2f} turns/s (p99 {r['p99_s']:.1f}s, hits {r['affinity_hits']}) "
-          f"-> {gain:.1f}x")
+    print(
+        f"{args.sessions} sessions x {args.turns} follow-ups at {a['context_tokens']} tokens ({args.model}): "
+        f"affinity {a['turns_per_s']:.2f} turns/s (p99 {a['p99_s']:.1f}s, hits {a['affinity_hits']}/{a['turns']}) "
+        f"vs round-robin {r['turns_per_s']:.2f} turns/s (p99 {r['p99_s']:.1f}s, hits {r['affinity_hits']}) "
+        f"-> {gain:.1f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict, deque
 
 import redis.asyncio as aioredis
-from ray.serve.request_router import FIFOMixin, RequestRouter
+from ray.serve.request_router import RequestRouter
 
 from kvsnap.actors.directory import session_key
 
@@ -28,7 +28,9 @@ PLACEMENT_MEMORY_S = 2.0  # > the routing-stats period (1 s)
 OWNER_CACHE_SIZE = 100_000
 
 
-class AffinityRouter(FIFOMixin, RequestRouter):
+class AffinityRouter(RequestRouter):
+    # No FIFOMixin: FIFO would hand the replica chosen for one session's turn to whichever
+    # request is oldest. The base class fulfils exactly the request that was routed.
     def initialize_state(
         self, redis_url: str = "", prefix: str = "kvsnap", overload_queue_len: int = 8, affinity: bool = True, **_
     ):
