@@ -88,9 +88,9 @@ def service(redis_server, tmp_path_factory):
         max_prompt_tokens=3000,
         max_body_bytes=64 * 1024,
         max_new_tokens=4000,
-        max_ongoing_requests=2,
-        max_queued_requests=2,
-        overload_queue_len=2,
+        max_ongoing_requests=3,
+        max_queued_requests=5,
+        overload_queue_len=3,
         request_timeout_s=60,
         defaults=PolicyDefaults(budget=48, window=8, kernel=3),
     )

@@ -197,15 +197,17 @@ def test_every_follow_up_turn_lands_on_the_holder(service):
         assert first["source"] in ("device", "host", "disk"), first
     assert len(set(holders.values())) == 2  # new sessions were spread over both replicas
     new_tokens = len(encode_messages(_tok(), [{"role": "user", "content": "Second one?"}], False)) + 1
-    # Concurrent turns of different sessions: each still reaches its own holder (the replica a
-    # router picks for one request must not be handed to another request waiting in line).
-    # Three at a time: this app's overload threshold is 3 turns in flight on one holder.
+    # Concurrent turns of different sessions: each still reaches its own holder. Three at a time:
+    # this app's overload threshold is 3 turns in flight on one holder. (The router must fulfil
+    # exactly the request it routed; Serve's FIFOMixin did not, which bench/service_bench.py's
+    # 16 concurrent users exposed: 24/48 turns on their holder, 48/48 after the fix.)
     with ThreadPoolExecutor(3) as pool:
         answers = dict(
             zip(holders, pool.map(lambda sid: turn(service, sid, "Second one?").json(), holders), strict=True)
         )
     for sid, holder in holders.items():
         answer = answers[sid]
+        assert "worker" in answer, (sid, answer)
         assert answer["worker"] == holder and answer["source"] in ("device", "host", "disk"), (sid, answer)
         assert answer["prompt_tokens"] == new_tokens  # the document was not prefilled again
 
