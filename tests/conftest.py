@@ -94,7 +94,8 @@ def service(redis_server, tmp_path_factory):
         request_timeout_s=60,
         defaults=PolicyDefaults(budget=48, window=8, kernel=3),
     )
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    # 3 logical CPUs: 2 worker replicas of 1, and room for the Serve-config app test (tests/test_cluster.py)
+    ray.init(num_cpus=3, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": cfg.http_port})
     serve.run(build_app(cfg, redis_server.url), name=APP_NAME, route_prefix="/")
     yield RunningService(cfg, redis_server.url)
