@@ -283,9 +283,9 @@ class SessionAPI:
         answer_role: str | None,
         streaming: bool,
     ):
-        """A new session from its first tokens: settings resolved and checked before any model work."""
+        """A new session from its first tokens: settings resolved and checked before any model work
+        (the worker's engine checks the window against the prompt, before it writes anything)."""
         resolved = self.settings(settings, len(tokens))
-        self._check_window(resolved, tokens)
         return self._stream(
             "open",
             tenant,
@@ -298,13 +298,6 @@ class SessionAPI:
             answer_role,
             streaming=streaming,
         )
-
-    def _check_window(self, settings: dict, tokens: list[int]) -> None:
-        if settings["policy"] != "full" and settings["window"] > len(tokens):
-            raise InvalidArgument(
-                f"observation window ({settings['window']}) is longer than the prompt "
-                f"({len(tokens)} tokens); lower `window` or send a longer prompt"
-            )
 
     async def _stream(
         self, method: str, tenant: str, sid: str, protocol: str, tokens: list[int], *args, streaming: bool = True

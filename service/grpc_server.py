@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvsnap.errors import KvsnapError
 
+from .api import state_view
 from .grpc_stubs import pb2, pb2_grpc
 from .ingress import tenant_for
 from .status import grpc_status
@@ -100,7 +101,7 @@ class KvsnapServicer(pb2_grpc.KvsnapServicer):
                         finish_reason=o.finish_reason,
                         prompt_tokens=o.prompt_tokens,
                         completion_tokens=len(o.token_ids),
-                        state=_state(_view(o.state)),
+                        state=_state(state_view(o.state)),
                     )
         except KvsnapError as exc:
             await self._fail(context, exc, "Turn")
@@ -122,12 +123,6 @@ class KvsnapServicer(pb2_grpc.KvsnapServicer):
         except KvsnapError as exc:
             await self._fail(context, exc, "DeleteSession")
         return pb2.DeleteResponse(deleted=True)
-
-
-def _view(entry: dict | None) -> dict:
-    from .api import state_view
-
-    return state_view(entry)
 
 
 class GrpcServer:
