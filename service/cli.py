@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
-from kvsnap.errors import KvsnapError
+from kvsnap.errors import InvalidArgument, KvsnapError
 
 
 def _add_policy_args(parser: argparse.ArgumentParser) -> None:
@@ -244,6 +245,65 @@ def cmd_spot_watch(args) -> int:
     return 0
 
 
+# `kvsnap eval --quick`: a small version that runs in a minute or two on 2 CPU cores
+QUICK_EVAL = dict(lengths=(1024,), depths=(0.2, 0.8), keys=3, seeds=1, policies=("full", "snapkv:256", "streaming:256"))
+
+
+def _csv(kind):
+    return lambda text: tuple(kind(x) for x in text.split(",") if x.strip())
+
+
+def cmd_eval(args) -> int:
+    import json
+    from pathlib import Path
+
+    from kvsnap.service import quality
+
+    fields = ("tasks", "lengths", "depths", "policies", "keys", "seeds", "window")
+    given = {k: v for k in fields if (v := getattr(args, k)) is not None}
+    spec = quality.EvalSpec(**({**QUICK_EVAL, **given} if args.quick else given))
+    if args.url:
+        api_key = args.api_key or os.environ.get("KVSNAP_API_KEY")
+        if not api_key:
+            raise InvalidArgument("--api-key (or KVSNAP_API_KEY) is needed with --url")
+        backend = quality.OverHTTP(args.url, api_key)
+        where, tokenizer = f"service {args.url}", _tokenizer(args.model)
+    else:
+        from kvsnap.actors import Engine, load_model
+
+        print(f"loading model {args.model!r}...", file=sys.stderr, flush=True)
+        engine = Engine(load_model(args.model, device=args.device))
+        backend, where, tokenizer = quality.InProcess(engine), f"in-process on {engine.device}", engine.tokenizer
+    cases = quality.build_cases(tokenizer, spec)
+    print(
+        f"{len(cases)} cases x {len(spec.specs)} policies ({', '.join(spec.policies)}), {where}",
+        file=sys.stderr,
+        flush=True,
+    )
+    started = time.perf_counter()
+    scores = quality.evaluate(backend, cases, spec, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    summary = quality.summarize(scores)
+    meta = {
+        "model": args.model,
+        "backend": where,
+        "spec": {k: getattr(spec, k) for k in fields},
+        "elapsed_s": time.perf_counter() - started,
+    }
+    paths = quality.save(scores, summary, meta, Path(args.out))
+    print(f"{args.model}, {where}, {meta['elapsed_s']:.0f}s")
+    print(quality.format_tables(summary))
+    print(f"\nwrote {paths['json']} and {paths['png']}")
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def _tokenizer(model: str):
+    from kvsnap.actors.models import tokenizer_for
+
+    return tokenizer_for(model)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvsnap", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -286,6 +346,28 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--window", type=int, default=32)
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.set_defaults(func=cmd_chat)
+
+    ev = sub.add_parser("eval", help="quality harness: pass-key, multi-key and multi-turn retrieval per policy")
+    ev.add_argument("--model", default="gemma3-270m", help="model to run in-process (or whose tokenizer --url uses)")
+    ev.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
+    ev.add_argument("--url", default=None, help="evaluate a running service instead (its HTTP address)")
+    ev.add_argument("--api-key", default=None, help="with --url (or KVSNAP_API_KEY)")
+    ev.add_argument("--tasks", type=_csv(str), default=None, help="passkey,multikey,multiturn (default all)")
+    ev.add_argument("--lengths", type=_csv(int), default=None, help="document tokens (default 1024,2048,4096)")
+    ev.add_argument("--depths", type=_csv(float), default=None, help="pass-key depths (default 0.1,0.5,0.9)")
+    ev.add_argument(
+        "--policies",
+        type=_csv(str),
+        default=None,
+        help="default full,snapkv:128,snapkv:256,snapkv:512,streaming:256 (streaming:B holds as many rows as snapkv:B)",
+    )
+    ev.add_argument("--keys", type=int, default=None, help="keys planted for multikey / multiturn (default 4)")
+    ev.add_argument("--seeds", type=int, default=None, help="documents per length (default 2)")
+    ev.add_argument("--window", type=int, default=None, help="observation window (default 32)")
+    ev.add_argument("--quick", action="store_true", help="a small version: 1K tokens, 2 depths, 3 keys, 3 policies")
+    ev.add_argument("--out", default="bench/results", help="folder for quality.json and quality.png")
+    ev.add_argument("--json", action="store_true", help="also print the summary as one JSON line")
+    ev.set_defaults(func=cmd_eval)
 
     spot = sub.add_parser("spot-watch", help="on a spot node: drain it and move its sessions on an interruption")
     spot.add_argument("--kvsnap-url", default="http://127.0.0.1:8000")

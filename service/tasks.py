@@ -1,4 +1,5 @@
-"""Synthetic long-context tasks generated locally (no downloads): the pass-key prompt.
+"""Synthetic long-context tasks generated locally (no downloads): pass-key prompts with one
+key, or several named keys (multi-key and multi-turn retrieval).
 
 A pass key is planted at a chosen depth inside filler text; the question at the
 end asks for it. The quality harness and the CLI demo both build prompts here.
@@ -35,3 +36,49 @@ def pass_key_prompt(tokenizer, target_tokens: int = 1500, depth: float = 0.5, se
     before = round(repeats * depth)
     document = INTRO + FILLER * before + needle + FILLER * (repeats - before)
     return PassKeyPrompt(document, question, key)
+
+
+# -- several planted keys: multi-key and multi-turn retrieval ---------------------------------
+
+KEY_NAMES = ("red", "blue", "green", "yellow", "white", "black", "orange", "purple")
+
+
+@dataclass(frozen=True, slots=True)
+class MultiKeyPrompt:
+    document: str  # intro + filler with every key planted once
+    names: tuple[str, ...]  # names[i] is planted at depths[i]
+    answers: tuple[str, ...]
+    depths: tuple[float, ...]
+
+    def question(self, i: int) -> str:
+        name = self.names[i]
+        return f"\nWhat is the pass key of the {name} box? The pass key of the {name} box is"
+
+
+def multi_key_prompt(tokenizer, target_tokens: int = 1500, keys: int = 4, seed: int = 0) -> MultiKeyPrompt:
+    """A document of about ``target_tokens`` tokens with ``keys`` named 5-digit keys at spread depths.
+
+    Key i sits in the i-th of ``keys`` equal slices of the document (at a random point of it),
+    so the keys cover the whole depth range; names and values are drawn from ``seed``.
+    """
+    if not 1 <= keys <= len(KEY_NAMES):
+        raise ValueError(f"keys must be in [1, {len(KEY_NAMES)}]")
+    rng = random.Random(seed)
+    names = tuple(rng.sample(KEY_NAMES, keys))
+    answers = tuple(str(rng.randint(10000, 99999)) for _ in range(keys))
+    depths = tuple((i + rng.uniform(0.1, 0.9)) / keys for i in range(keys))
+    needles = [
+        f"The pass key of the {n} box is {v}. Remember it. {v} is the pass key of the {n} box. "
+        for n, v in zip(names, answers, strict=True)
+    ]
+    question = MultiKeyPrompt("", names, answers, depths).question(0)
+    overhead = len(tokenizer.encode(INTRO + "".join(needles) + question, add_special_tokens=True))
+    per_filler = len(tokenizer.encode(FILLER * 10, add_special_tokens=False)) / 10
+    repeats = max(keys, int((target_tokens - overhead) / per_filler))
+    parts, placed = [INTRO], 0
+    for depth, needle in zip(depths, needles, strict=True):
+        at = round(repeats * depth)
+        parts += [FILLER * (at - placed), needle]
+        placed = at
+    parts.append(FILLER * (repeats - placed))
+    return MultiKeyPrompt("".join(parts), names, answers, depths)
