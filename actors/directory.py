@@ -87,6 +87,16 @@ return 1
 )
 
 
+# Where a session's KV now lies, after its holder demoted it: written only while the entry
+# still names that holder (a newer owner's entry is left alone). ARGV: owner, epoch, tier.
+_SET_TIER = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], 'tier', ARGV[3])
+return 1
+"""
+
+
 @dataclass(slots=True)
 class SessionEntry:
     tenant: str
@@ -183,6 +193,7 @@ class SessionDirectory:
         self._create = self.client.register_script(_CREATE)
         self._commit = self.client.register_script(_COMMIT)
         self._restore = self.client.register_script(_RESTORE)
+        self._set_tier = self.client.register_script(_SET_TIER)
 
     # -- keys ----------------------------------------------------------------------------
     def session_key(self, tenant: str, session_id: str) -> str:
@@ -297,6 +308,11 @@ class SessionDirectory:
             ],
         )
         return bool(written)
+
+    def set_tier(self, tenant: str, session_id: str, owner: str, epoch: int, tier: str) -> bool:
+        """Record that ``owner`` moved the session's KV to ``tier`` (no version change: the KV is the same)."""
+        keys = [self.session_key(tenant, session_id)]
+        return bool(self._call(self._set_tier, keys=keys, args=[owner, str(epoch), tier]))
 
     def delete(self, tenant: str, session_id: str) -> bool:
         keys = [*self.session_keys(tenant, session_id), self.export_key(tenant, session_id)]

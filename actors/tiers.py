@@ -225,6 +225,7 @@ class TieredStore:
             raise ValueError("at least one tier is needed")
         self.tiers = tiers
         self.stats = TierStats()
+        self.moved: dict[str, str] = {}  # key -> the tier a demotion left it in ("dropped": gone)
 
     def tier_of(self, key: str) -> str | None:
         return next((t.name for t in self.tiers if key in t), None)
@@ -255,6 +256,11 @@ class TieredStore:
         for tier in self.tiers:
             tier.discard(key)
 
+    def take_moves(self) -> dict[str, str]:
+        """Keys that demotions moved (or dropped) since the last call, with where they are now."""
+        moved, self.moved = self.moved, {}
+        return moved
+
     def bytes_by_tier(self) -> dict[str, int]:
         return {t.name: t.bytes_used for t in self.tiers}
 
@@ -272,7 +278,10 @@ class TieredStore:
                 if i + 1 < len(self.tiers) and blob is not None:
                     self.tiers[i + 1].put(victim, blob)
                     self.stats.demotions[f"{tier.name}->{self.tiers[i + 1].name}"] += 1
-                elif blob is None:
+                    self.moved[victim] = self.tiers[i + 1].name
+                    continue
+                self.moved[victim] = "dropped"
+                if blob is None:
                     self.stats.corrupt += 1
                 else:
                     self.stats.dropped += 1

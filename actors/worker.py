@@ -357,6 +357,20 @@ class Worker:
             log.warning("commit of %s deferred: Redis unavailable", key)
             return
         self.held[key] = Held(updated, list(session.transcript), all_messages)
+        self._record_moves()
+
+    def _record_moves(self) -> None:
+        """Tell the directory where demotions left other sessions' KV (best effort: a stale tier
+        only misreports the state; a turn still finds the KV in whatever tier it is)."""
+        for key, tier in self.store.take_moves().items():
+            held = self.held.get(key)
+            if held is None:
+                continue
+            held.entry.tier = tier
+            try:
+                self.directory.set_tier(held.entry.tenant, held.entry.session_id, self.worker_id, self.epoch, tier)
+            except Unavailable:
+                log.info("tier of %s not recorded: Redis unavailable", key)
 
     def _resync(self, key: str) -> None:
         with self._lock:

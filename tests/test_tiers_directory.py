@@ -59,6 +59,10 @@ def test_fifty_sessions_through_a_device_budget_of_ten(llama_engine, directory_f
         answers[sid] = [worker.open("acme", sid, turns[0], FULL, sampling=SAMPLING).tokens]
         check_budgets(worker)
     assert worker.store.sessions_by_tier() == {"device": 10, "host": 15, "disk": 15}
+    # the directory follows demotions: each session's state names the tier its KV is in now
+    assert {sid: worker.state("acme", sid).tier for sid in sessions} == {
+        sid: worker.store.tier_of(f"acme/{sid}") or "dropped" for sid in sessions
+    }
     for sid, turns in reversed(sessions.items()):  # hottest first: hits on every tier, then rebuilds
         answers[sid].append(worker.turn("acme", sid, turns[1], SAMPLING).tokens)
         check_budgets(worker)
