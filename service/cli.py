@@ -298,6 +298,49 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_load(args) -> int:
+    import json
+
+    from kvsnap.service import loadgen
+
+    api_key = args.api_key or os.environ.get("KVSNAP_API_KEY")
+    if not api_key:
+        raise InvalidArgument("--api-key (or KVSNAP_API_KEY) is needed")
+    settings = {k: v for k in ("policy", "budget", "window") if (v := getattr(args, k)) is not None}
+    spec = loadgen.LoadSpec(
+        users=args.users,
+        context=args.context,
+        turns=args.turns,
+        max_tokens=args.max_tokens,
+        protocol=args.protocol,
+        arrival=args.arrival,
+        rate=args.rate,
+        settings=settings,
+        timeout_s=args.timeout,
+    )
+    model = args.model or _served_model(args.url, api_key)
+    if args.protocol == "grpc":
+        client = loadgen.GrpcClient(args.grpc, api_key, spec.timeout_s)
+    else:
+        client = loadgen.HttpClient(args.url, api_key, spec.timeout_s)
+    result = loadgen.run(client, _tokenizer(model), spec, progress_s=args.progress)
+    print(loadgen.format_report(result))
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=1)
+        print(f"wrote {args.out}")
+    return 0 if not result["errors"] else 1
+
+
+def _served_model(url: str, api_key: str) -> str:
+    import requests
+
+    r = requests.get(f"{url.rstrip('/')}/v1/models", headers={"Authorization": f"Bearer {api_key}"}, timeout=30)
+    if r.status_code != 200:
+        raise InvalidArgument(f"{url}/v1/models answered {r.status_code}: {r.text[:200]}")
+    return r.json()["data"][0]["id"]
+
+
 def _tokenizer(model: str):
     from kvsnap.actors.models import tokenizer_for
 
@@ -368,6 +411,26 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", default="bench/results", help="folder for quality.json and quality.png")
     ev.add_argument("--json", action="store_true", help="also print the summary as one JSON line")
     ev.set_defaults(func=cmd_eval)
+
+    ld = sub.add_parser("load", help="multi-turn load generator against a running service (HTTP or gRPC)")
+    ld.add_argument("--url", default="http://127.0.0.1:8000", help="the service's HTTP address")
+    ld.add_argument("--grpc", default="127.0.0.1:9000", help="the service's gRPC address (with --protocol grpc)")
+    ld.add_argument("--api-key", default=None, help="or KVSNAP_API_KEY")
+    ld.add_argument("--protocol", default="http", choices=["http", "grpc"])
+    ld.add_argument("--users", type=int, default=8, help="simulated users, one session each")
+    ld.add_argument("--context", type=int, default=2048, help="document tokens per session")
+    ld.add_argument("--turns", type=int, default=3, help="follow-up turns per user")
+    ld.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn")
+    ld.add_argument("--arrival", default="closed", choices=["closed", "poisson"])
+    ld.add_argument("--rate", type=float, default=1.0, help="users arriving per second (poisson)")
+    ld.add_argument("--policy", default=None, help="session policy (default: the service's)")
+    ld.add_argument("--budget", type=int, default=None)
+    ld.add_argument("--window", type=int, default=None)
+    ld.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    ld.add_argument("--progress", type=float, default=2.0, help="seconds between progress lines (0: none)")
+    ld.add_argument("--model", default=None, help="tokenizer for sizing documents (default: what the service serves)")
+    ld.add_argument("--out", default=None, help="write the report as JSON here")
+    ld.set_defaults(func=cmd_load)
 
     spot = sub.add_parser("spot-watch", help="on a spot node: drain it and move its sessions on an interruption")
     spot.add_argument("--kvsnap-url", default="http://127.0.0.1:8000")

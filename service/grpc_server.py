@@ -102,6 +102,8 @@ class KvsnapServicer(pb2_grpc.KvsnapServicer):
                         prompt_tokens=o.prompt_tokens,
                         completion_tokens=len(o.token_ids),
                         state=_state(state_view(o.state)),
+                        worker=o.worker,
+                        source=o.source,
                     )
         except KvsnapError as exc:
             await self._fail(context, exc, "Turn")

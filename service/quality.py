@@ -306,9 +306,9 @@ def plot(summary: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(summary), figsize=(5 * len(summary), 3.8), squeeze=False)
     for ax, (task, per_policy) in zip(axes[0], summary.items(), strict=True):
         key = "per_turn" if task == "multiturn" else "per_length"
-        for policy, s in per_policy.items():
-            xs = list(s[key])
-            ax.plot(xs, [100 * v for v in s[key].values()], marker="o", label=policy)
+        for n, (policy, s) in enumerate(per_policy.items()):  # distinct markers: equal lines stay visible
+            ax.plot(list(s[key]), [100 * v for v in s[key].values()], marker="os^vDxP*"[n % 8], label=policy,
+                    markersize=9 - n, alpha=0.8)  # fmt: skip
         ax.set_title(task)
         ax.set_xlabel("turn" if key == "per_turn" else "context tokens")
         ax.set_ylabel("accuracy %")
