@@ -58,8 +58,8 @@ class PolicySpec:
         """The session settings (as the API takes them) that realise this spec."""
         if self.policy == "full":
             return {"policy": "full"}
-        if self.policy == "snapkv":
-            return {"policy": "snapkv", "budget": self.budget, "window": window}
+        if self.policy == "snapkv":  # the paper's pooling, spelled out: a service may default otherwise
+            return {"policy": "snapkv", "budget": self.budget, "window": window, "kernel": 7, "pooling": "max"}
         return {"policy": "streaming", "window": self.budget + window - 4}
 
 

@@ -1,0 +1,94 @@
+"""The quality harness (`kvsnap eval`): its tasks, its scoring, its two backends, its outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvsnap.actors import Engine, load_model
+from kvsnap.actors.models import ByteTokenizer
+from kvsnap.errors import InvalidArgument
+from kvsnap.service import quality
+from kvsnap.service.cli import main as kvsnap
+from kvsnap.service.tasks import multi_key_prompt
+
+TINY = dict(lengths=(300,), depths=(0.3,), keys=2, seeds=1, window=8, policies=("full", "snapkv:64", "streaming:64"))
+
+
+def test_multi_key_prompt_plants_every_key_in_depth_order():
+    tok = ByteTokenizer()
+    p = multi_key_prompt(tok, target_tokens=2000, keys=4, seed=7)
+    assert len(set(p.names)) == 4 and len(set(p.answers)) == 4
+    positions = [p.document.index(f"pass key of the {n} box is {v}") for n, v in zip(p.names, p.answers, strict=True)]
+    assert positions == sorted(positions)  # key i lies in the i-th slice of the document
+    for pos, depth in zip(positions, p.depths, strict=True):
+        assert abs(pos / len(p.document) - depth) < 0.1
+    assert 1800 <= len(tok.encode(p.document + p.question(0))) <= 2000
+
+
+def test_cases_cover_every_task_length_depth_and_key():
+    spec = quality.EvalSpec(lengths=(400, 800), depths=(0.2, 0.8), keys=3, seeds=2)
+    cases = quality.build_cases(ByteTokenizer(), spec)
+    count = {t: sum(c.task == t for c in cases) for t in quality.TASKS}
+    assert count == {"passkey": 2 * 2 * 2, "multikey": 2 * 2 * 3, "multiturn": 2 * 2}
+    for c in cases:
+        assert all(a in c.turns[0] for a in c.answers)  # the document (turn 1) holds every asked key
+        assert len(c.turns) == len(c.answers) == len(c.depths)
+    multiturn = [c for c in cases if c.task == "multiturn"]
+    assert all(len(c.turns) == 3 and len(set(c.answers)) == 3 for c in multiturn)  # each turn asks another key
+    assert len({c.answers[0] for c in multiturn if c.length == 400}) == 2  # seeds ask a different key first
+
+
+def test_bad_specs_are_rejected():
+    for bad in (dict(tasks=("nope",)), dict(lengths=()), dict(depths=(1.5,)), dict(keys=1), dict(policies=("h2o",))):
+        with pytest.raises(InvalidArgument):
+            quality.EvalSpec(**bad)
+    for text in ("snapkv", "snapkv:0", "full:3", "streaming:x"):
+        with pytest.raises(InvalidArgument):
+            quality.PolicySpec.parse(text)
+
+
+def test_in_process_eval_scores_what_the_model_answered(llama_engine, tmp_path):
+    spec = quality.EvalSpec(**TINY)
+    cases = quality.build_cases(llama_engine.tokenizer, spec)
+    scores = quality.evaluate(quality.InProcess(llama_engine), cases, spec)
+    assert len(scores) == 3 * sum(len(c.turns) for c in cases)
+    for s in scores:
+        assert s.correct == (s.answer in s.text) and s.latency_s > 0 and s.kv_bytes > 0
+        assert s.kv_bytes <= s.full_kv_bytes
+    summary = quality.summarize(scores)
+    assert set(summary) == set(quality.TASKS) and all(set(v) == set(spec.policies) for v in summary.values())
+    kv = {p: summary["multiturn"][p]["kv_bytes_mean"] for p in spec.policies}
+    assert kv["snapkv:64"] < kv["full"] and kv["streaming:64"] < kv["full"]
+    assert list(summary["multiturn"]["full"]["per_turn"]) == ["1", "2"]
+
+    paths = quality.save(scores, summary, {"model": "tiny-llama"}, tmp_path)
+    saved = json.loads(paths["json"].read_text())
+    assert saved["summary"] == json.loads(json.dumps(summary)) and len(saved["turns"]) == len(scores)
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = quality.format_tables(summary)
+    assert "multiturn" in table and "snapkv:64" in table and "turn 2" in table
+
+
+def test_service_backend_answers_like_the_engine(service):
+    """Through /v1/completions with x-session-id the service answers what the engine answers."""
+    spec = quality.EvalSpec(**TINY | {"policies": ("full", "snapkv:64")})
+    engine = Engine(load_model("tiny-llama"))  # the replicas' prefill chunking
+    cases = quality.build_cases(engine.tokenizer, spec)
+    local = quality.evaluate(quality.InProcess(engine), cases, spec)
+    remote = quality.evaluate(quality.OverHTTP(service.http, "key-alpha"), cases, spec)
+    assert [(s.policy, s.turn, s.text) for s in remote] == [(s.policy, s.turn, s.text) for s in local]
+    assert [s.context_tokens for s in remote] == [s.context_tokens for s in local]
+    assert [s.kv_bytes for s in remote] == [s.kv_bytes for s in local]
+
+
+def test_kvsnap_eval_cli_writes_results(tmp_path, capsys):
+    argv = ["eval", "--model", "tiny-llama", "--lengths", "200", "--depths", "0.5", "--keys", "2", "--seeds", "1"]
+    argv += ["--policies", "full,snapkv:32", "--window", "8", "--tasks", "passkey,multiturn", "--out", str(tmp_path)]
+    assert kvsnap(argv + ["--json"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert set(summary) == {"passkey", "multiturn"} and set(summary["passkey"]) == {"full", "snapkv:32"}
+    assert (tmp_path / "quality.json").exists() and (tmp_path / "quality.png").exists()
+    assert kvsnap(["eval", "--model", "tiny-llama", "--policies", "bogus", "--out", str(tmp_path)]) == 2
