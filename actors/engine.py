@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvsnap.errors import InvalidArgument
-from kvsnap.policies import Policy, make_policy
+from kvsnap.policies import Policy, gather_rows, make_policy
 
 from .cache import CompressedLayer, full_layer_indices, new_session_cache
 from .capture import WindowCapture
@@ -60,6 +60,10 @@ class TurnStream:
 class _Timer:
     prefill_s: float = 0.0
     compress_s: float = 0.0
+    reselect_s: float = 0.0
+
+
+RESELECT_CHUNK = 4096  # rows of the host-side full cache moved to the device at a time for scoring
 
 
 class Engine:
@@ -135,6 +139,7 @@ class Engine:
                 compress_s=timer.compress_s,
                 decode_s=time.perf_counter() - decode_started,
                 ttft_s=ttft,
+                reselect_s=timer.reselect_s,
             )
             session.reports.append(out.report)
 
@@ -148,7 +153,7 @@ class Engine:
         session.transcript.extend(tokens)
         window = min(session.policy.window, len(new))
         capture_layers = set()
-        if session.policy.compresses_anything and (first_turn or session.recompress == "per_turn"):
+        if session.policy.compresses_anything and (first_turn or session.recompress != "never"):
             capture_layers = set(full_layer_indices(session.cache))
 
         t0 = time.perf_counter()
@@ -156,7 +161,12 @@ class Engine:
             logits = self._forward(session, new)
         timer.prefill_s += time.perf_counter() - t0
 
-        if capture_layers:
+        if capture_layers and session.recompress == "reselect" and (first_turn or session.full_kv is not None):
+            t0 = time.perf_counter()
+            self._reselect(session, captured, window)
+            timer.reselect_s += time.perf_counter() - t0
+            timer.compress_s += time.perf_counter() - t0
+        elif capture_layers:  # also a reselect session that lost its full copy: plain SnapKV per turn
             t0 = time.perf_counter()
             self._compress(session, captured, window)
             timer.compress_s += time.perf_counter() - t0
@@ -189,6 +199,33 @@ class Engine:
             )
             if positions.shape[-1] < layer.kept_len:
                 layer.keep(positions)
+
+    def _reselect(self, session: Session, captured: WindowCapture, window: int) -> None:
+        """Keep every row in the host-side full copy; select this turn's rows from all of them.
+
+        The rows added since the last selection (this turn's prompt, earlier answers) are
+        appended to the full copy; SnapKV then scores the whole copy with this turn's window
+        queries, RESELECT_CHUNK rows at a time, and the device cache gets just the selection.
+        """
+        full = session.full_kv if session.full_kv is not None else {}
+        new = session.logical_len - session.full_len
+        for idx in captured.layers:
+            layer: CompressedLayer = session.cache.layers[idx]
+            rows_k, rows_v = (_to_host(t[:, :, -new:]) for t in (layer.keys, layer.values))  # [1, H_kv, new, D]
+            old = full.get(idx)
+            full_k, full_v = (rows_k, rows_v) if old is None else (_cat(old[0], rows_k), _cat(old[1], rows_v))
+            full[idx] = (full_k, full_v)
+            positions = session.policy.select(
+                captured.queries[idx],
+                full_k,
+                captured.scales.get(idx),
+                logical_len=session.logical_len,
+                chunk=RESELECT_CHUNK,
+            )  # [1, H_kv, k] on the device
+            host_positions = positions.to(full_k.device)
+            layer.keys = gather_rows(full_k, host_positions).to(self.device, non_blocking=True)
+            layer.values = gather_rows(full_v, host_positions).to(self.device, non_blocking=True)
+        session.full_kv, session.full_len = full, session.logical_len
 
     def decode_tokens(
         self, session: Session, logits: torch.Tensor, sampling: SamplingParams, out: TurnStream
@@ -248,3 +285,14 @@ class Engine:
         """Next-token logits of one uncached forward pass over ``tokens`` (the exactness oracle)."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         return self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host-memory copy (pinned when a GPU is there, so copies back are asynchronous)."""
+    host = t.detach().to("cpu", copy=True).contiguous()
+    return host.pin_memory() if torch.cuda.is_available() else host
+
+
+def _cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    out = torch.cat([a, b], dim=-2)
+    return out.pin_memory() if torch.cuda.is_available() else out

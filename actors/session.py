@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from transformers.cache_utils import DynamicCache
 
 from kvsnap.errors import InvalidArgument
@@ -11,7 +12,12 @@ from kvsnap.policies import Policy
 
 from .cache import cache_bytes, full_cache_bytes, kept_len
 
-RECOMPRESS_MODES = ("per_turn", "never")
+# What a turn after the first does to a compressed session:
+#   per_turn  re-select from the rows kept so far, with this turn's tokens as the window
+#   never     keep the first selection (new rows are appended)
+#   reselect  keep every row of the full-attention layers in host memory as well, and select
+#             this turn's rows afresh from all of them (SnapKV over the full cache)
+RECOMPRESS_MODES = ("per_turn", "never", "reselect")
 
 
 @dataclass(slots=True)
@@ -28,6 +34,7 @@ class TurnReport:
     compress_s: float
     decode_s: float
     ttft_s: float  # turn start to first generated token (0 if nothing was generated)
+    reselect_s: float = 0.0  # re-selection from the full cache (recompress="reselect"), part of the prefill
 
     @property
     def compression_ratio(self) -> float:
@@ -52,6 +59,10 @@ class Session:
     logical_len: int = 0
     turns: int = 0
     reports: list[TurnReport] = field(default_factory=list)
+    # recompress="reselect": every row of each full-attention layer (index -> keys, values, each
+    # [1, H_kv, full_len, D]) in host memory; None = no full copy (plain SnapKV per turn)
+    full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    full_len: int = 0  # positions the full copy covers
 
     def __post_init__(self) -> None:
         if self.recompress not in RECOMPRESS_MODES:
@@ -68,6 +79,11 @@ class Session:
     @property
     def kv_bytes(self) -> int:
         return cache_bytes(self.cache)
+
+    @property
+    def full_copy_bytes(self) -> int:
+        """Host bytes of the full copy kept for re-selection (0 without one)."""
+        return sum(t.numel() * t.element_size() for kv in (self.full_kv or {}).values() for t in kv)
 
     @property
     def full_kv_bytes(self) -> int:

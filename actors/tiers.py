@@ -230,12 +230,25 @@ class TieredStore:
     def tier_of(self, key: str) -> str | None:
         return next((t.name for t in self.tiers if key in t), None)
 
-    def put(self, key: str, blob: KVBlob) -> str | None:
-        """Store ``blob`` (replacing any older copy); returns the tier it ended up in (None: dropped)."""
+    def put(self, key: str, blob: KVBlob, tier: int = 0) -> str | None:
+        """Store ``blob`` (replacing any older copy) in tier ``tier`` (0 = device, or the lowest
+        there is); returns the tier it ended up in (None: dropped)."""
         self.discard(key)
-        self.tiers[0].put(key, blob)
+        self.tiers[min(tier, len(self.tiers) - 1)].put(key, blob)
         self._enforce_budgets()
         return self.tier_of(key)
+
+    def peek(self, key: str) -> KVBlob | None:
+        """The blob, left in its tier (touched as recently used, not promoted); None when absent or corrupt."""
+        for tier in self.tiers:
+            if key in tier:
+                blob = tier.take(key)
+                if blob is None:
+                    self.stats.corrupt += 1
+                    return None
+                tier.put(key, blob)
+                return blob
+        return None
 
     def get(self, key: str) -> KVBlob | None:
         """The blob, promoted to the device tier; None when absent or corrupt."""

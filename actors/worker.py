@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from kvsnap.errors import Conflict, NotFound, Unavailable
 from kvsnap.policies import Policy, policy_from_json, policy_to_json
 
-from .cache import export_kv, import_kv
+from .cache import export_kv, full_layer_indices, import_kv
 from .directory import SessionDirectory, SessionEntry, check_id
 from .engine import Engine, TurnResult, TurnStream
 from .sampling import SamplingParams
@@ -151,7 +151,7 @@ class Worker:
         with self._claim(key):
             existed = self.directory.delete(tenant, session_id)
             with self._lock:
-                self.store.discard(key)
+                self._discard(key)
                 held = self.held.pop(key, None)
         if not existed and held is None:
             raise NotFound(f"session {session_id!r} not found")
@@ -201,7 +201,7 @@ class Worker:
                     exported += 1
                 except Unavailable:
                     break
-                self.store.discard(key)
+                self._discard(key)
                 self.held.pop(key)
         self.counters["exported"] += exported
         log.info("worker %s drained: %d sessions exported", self.worker_id, exported)
@@ -253,6 +253,7 @@ class Worker:
                 session.logical_len = blob.logical_len
                 session.transcript = list(held.transcript)
                 session.turns = entry.turns
+                self._attach_full_copy(key, entry, session)
                 self.counters[f"hit_{tier}"] += 1
                 return session, tier
             if entry.owner and entry.owner != self.worker_id:
@@ -309,7 +310,7 @@ class Worker:
                 self._finish(key, entry, session, stream, out, msglog)
                 raise
             except BaseException:  # the turn broke half way: its KV is not trusted, the log is
-                self.store.discard(key)
+                self._discard(key)
                 self.held.pop(key, None)
                 if out.source == "new":
                     self.directory.delete(entry.tenant, entry.session_id)
@@ -341,12 +342,13 @@ class Worker:
         updated.kv_bytes, updated.turns = session.kv_bytes, session.turns
         blob = KVBlob(export_kv(session.cache), session.logical_len, version=expected + 1)
         updated.tier = self.store.put(key, blob) or "dropped"
+        self._store_full_copy(key, session, expected + 1)
         held = self.held.get(key)
         all_messages = (held.messages if held and held.entry.version == expected else []) + messages
         try:
             self.directory.commit(updated, expected, session.transcript[logged:], messages)
         except Conflict:
-            self.store.discard(key)
+            self._discard(key)
             self.held.pop(key, None)
             self.counters["conflicts"] += 1
             raise
@@ -359,11 +361,33 @@ class Worker:
         self.held[key] = Held(updated, list(session.transcript), all_messages)
         self._record_moves()
 
+    def _store_full_copy(self, key: str, session: Session, version: int) -> None:
+        """recompress="reselect": the full copy goes to the host tier (never the device tier),
+        where LRU demotes or drops it like any other blob."""
+        if session.full_kv is None:
+            self.store.discard(_full_key(key))
+            return
+        tensors = [t for idx in sorted(session.full_kv) for t in session.full_kv[idx]]
+        self.store.put(_full_key(key), KVBlob(tensors, session.full_len, version), tier=1)
+
+    def _attach_full_copy(self, key: str, entry: SessionEntry, session: Session) -> None:
+        """Give a reselect session its full copy back, when it is still in a tier and current;
+        without one the session goes on as plain SnapKV (re-selecting from what it kept)."""
+        if entry.recompress != "reselect":
+            return
+        blob = self.store.peek(_full_key(key))
+        if blob is None or blob.version != entry.version:
+            self.counters["reselect_fallbacks"] += 1
+            return
+        layers = full_layer_indices(session.cache)
+        session.full_kv = {idx: (blob.tensors[2 * n], blob.tensors[2 * n + 1]) for n, idx in enumerate(layers)}
+        session.full_len = blob.logical_len
+
     def _record_moves(self) -> None:
         """Tell the directory where demotions left other sessions' KV (best effort: a stale tier
         only misreports the state; a turn still finds the KV in whatever tier it is)."""
         for key, tier in self.store.take_moves().items():
-            held = self.held.get(key)
+            held = self.held.get(key)  # None for full copies (".../full"): not in the directory
             if held is None:
                 continue
             held.entry.tier = tier
@@ -389,9 +413,13 @@ class Worker:
         with self._lock:
             for key in [k for k, h in self.held.items() if h.entry.last_used < cutoff and not h.dirty]:
                 self.held.pop(key)
-                self.store.discard(key)
+                self._discard(key)
 
     # -- helpers -------------------------------------------------------------------------
+    def _discard(self, key: str) -> None:
+        self.store.discard(key)
+        self.store.discard(_full_key(key))
+
     @staticmethod
     def _key(tenant: str, session_id: str) -> str:
         return f"{check_id('tenant', tenant)}/{check_id('session id', session_id)}"
@@ -433,3 +461,8 @@ def _copy(entry: SessionEntry) -> SessionEntry:
 
 
 __all__ = ["Held", "Worker"]
+
+
+def _full_key(key: str) -> str:
+    """Where a reselect session's full copy lives in the tiers ("/" never occurs in ids)."""
+    return f"{key}/full"

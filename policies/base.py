@@ -65,22 +65,29 @@ class Policy:
         keys: torch.Tensor,
         scale: float | None = None,
         logical_len: int | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:
-        """Rows to keep, sorted ascending, window included: [B, H_kv, k].
+        """Rows to keep, sorted ascending, window included: [B, H_kv, k], on the queries' device.
 
         The window is the last ``window_queries.shape[-2]`` rows of ``keys``. ``logical_len``
         (tokens seen, when ``keys`` is already a compressed subset) sizes a ``ratio`` budget.
+        ``chunk`` (policies that read keys, e.g. SnapKV): score ``keys`` that many rows at a
+        time, so that ``keys`` may stay on another device (a full cache in host memory).
         """
         batch, kv_heads, length, _ = keys.shape
         w = window_queries.shape[-2]
+        device = window_queries.device
         if w > length:
             raise InvalidArgument(f"observation window ({w}) is longer than the sequence ({length})")
         k = min(self.prefix_budget((logical_len or length) - w), length - w)
         if not self.compresses_anything or k >= length - w:
-            return torch.arange(length, device=keys.device).expand(batch, kv_heads, length)
-        scores = self.score(window_queries, keys, scale)  # [B, H_kv, L - w]
+            return torch.arange(length, device=device).expand(batch, kv_heads, length)
+        if chunk is None:
+            scores = self.score(window_queries, keys, scale)  # [B, H_kv, L - w]
+        else:
+            scores = self.score(window_queries, keys, scale, chunk=chunk)
         prefix = scores.topk(k, dim=-1).indices
-        tail = torch.arange(length - w, length, device=keys.device).expand(batch, kv_heads, w)
+        tail = torch.arange(length - w, length, device=device).expand(batch, kv_heads, w)
         return torch.cat([prefix, tail], dim=-1).sort(dim=-1).values
 
     def fingerprint(self) -> str:

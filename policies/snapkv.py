@@ -45,23 +45,29 @@ class SnapKV(Policy):
         """Pooled prefix scores per KV head: [B, H, w, D] x [B, H_kv, L, D] -> [B, H_kv, L - w]."""
         return self.score(window_queries, keys, scale)
 
-    def score(self, window_queries: torch.Tensor, keys: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    def score(
+        self, window_queries: torch.Tensor, keys: torch.Tensor, scale: float | None = None, chunk: int | None = None
+    ) -> torch.Tensor:
+        """``chunk``: move and score ``keys`` that many rows at a time (``keys`` may then live on
+        another device, e.g. a full cache kept in host memory); the result is the same."""
         batch, heads, w, dim = window_queries.shape
         kv_heads, length = keys.shape[1], keys.shape[2]
         if heads % kv_heads:
             raise InvalidArgument(f"{heads} query heads do not split into {kv_heads} KV groups")
         group = heads // kv_heads
         scale = 1.0 / math.sqrt(dim) if scale is None else scale
-
         q = window_queries.float().view(batch, kv_heads, group, w, dim)  # [B, H_kv, G, w, D]
-        k = keys.float().unsqueeze(2)  # [B, H_kv, 1, L, D]
-        logits = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H_kv, G, w, L]
+        step = chunk or length
+        parts = []
+        for start in range(0, length, step):  # logits are w x L, small; only the keys are big
+            k = keys[:, :, start : start + step].to(q.device, non_blocking=True).float().unsqueeze(2)
+            parts.append(torch.matmul(q, k.transpose(-1, -2)))  # [B, H_kv, G, w, step]
+        logits = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)) * scale  # [B, H_kv, G, w, L]
         # Window query i sits at position L - w + i: it sees the prefix and window keys j <= i.
-        causal = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu(1)
+        causal = torch.ones(w, w, dtype=torch.bool, device=q.device).triu(1)
         logits[..., length - w :].masked_fill_(causal, float("-inf"))
         attn = logits.softmax(dim=-1)
         votes = attn[..., : length - w].sum(dim=-2)  # [B, H_kv, G, L - w]
-
         pooled = self._pool(votes.reshape(batch * kv_heads * group, 1, length - w))
         pooled = pooled.view(batch, kv_heads, group, length - w)
         return pooled.mean(dim=2) if self.gqa_reduce == "mean" else pooled.amax(dim=2)

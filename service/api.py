@@ -21,6 +21,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from kvsnap.actors.directory import SessionDirectory, check_id
 from kvsnap.actors.sampling import SamplingParams
+from kvsnap.actors.session import RECOMPRESS_MODES
 from kvsnap.errors import (
     Conflict,
     DeadlineExceeded,
@@ -83,8 +84,8 @@ class SessionAPI:
         if "window" not in explicit:
             merged["window"] = max(1, min(merged["window"], prompt_len))
         recompress = merged.pop("recompress")
-        if recompress not in ("per_turn", "never"):
-            raise InvalidArgument(f"recompress must be 'per_turn' or 'never', got {recompress!r}")
+        if recompress not in RECOMPRESS_MODES:
+            raise InvalidArgument(f"recompress must be one of {list(RECOMPRESS_MODES)}, got {recompress!r}")
         name = merged.pop("policy")
         fields = {"full": ("window",), "streaming": ("window",), "snapkv": ("window", "budget", "kernel", "pooling")}
         if name not in fields:

@@ -28,7 +28,7 @@ def _add_policy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=32, help="observation window / recent tokens kept")
     parser.add_argument("--kernel", type=int, default=7, help="SnapKV pooling kernel (odd)")
     parser.add_argument("--pooling", default="max", choices=["max", "avg"])
-    parser.add_argument("--recompress", default="per_turn", choices=["per_turn", "never"])
+    parser.add_argument("--recompress", default="per_turn", choices=["per_turn", "never", "reselect"])
 
 
 def _policy_from(args):

@@ -20,7 +20,7 @@ class PolicyDefaults(BaseModel):
     window: int = Field(32, ge=1, description="observation window; recent tokens kept (streaming)")
     kernel: int = Field(7, ge=1, description="SnapKV pooling kernel (odd)")
     pooling: str = Field("max", description="max | avg")
-    recompress: str = Field("per_turn", description="per_turn | never")
+    recompress: str = Field("per_turn", description="per_turn | never | reselect")
 
 
 class ServiceConfig(BaseModel):

@@ -18,7 +18,7 @@ class Settings(BaseModel):
     window: int | None = Field(None, description="observation window / recent tokens kept")
     kernel: int | None = Field(None, description="SnapKV pooling kernel, odd")
     pooling: Literal["max", "avg"] | None = None
-    recompress: Literal["per_turn", "never"] | None = None
+    recompress: Literal["per_turn", "never", "reselect"] | None = None
 
 
 class SamplingFields(BaseModel):
