@@ -402,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies",
         type=_csv(str),
         default=None,
-        help="default full,snapkv:128,snapkv:256,snapkv:512,streaming:256 (streaming:B holds as many rows as snapkv:B)",
+        help="default full,snapkv:128,snapkv:256,snapkv:512,streaming:256; also reselect:B "
+        "(SnapKV re-selecting from the full cache each turn); streaming:B holds as many rows as snapkv:B",
     )
     ev.add_argument("--keys", type=int, default=None, help="keys planted for multikey / multiturn (default 4)")
     ev.add_argument("--seeds", type=int, default=None, help="documents per length (default 2)")

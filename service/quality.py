@@ -35,7 +35,11 @@ ANSWER_TOKENS = 8  # a 5-digit key and a little more
 
 @dataclass(frozen=True, slots=True)
 class PolicySpec:
-    """A policy named on the command line: ``full`` | ``snapkv:<budget>`` | ``streaming:<budget>``.
+    """A policy named on the command line: ``full`` | ``snapkv:<budget>`` | ``reselect:<budget>`` |
+    ``streaming:<budget>``.
+
+    ``reselect:B`` is SnapKV with budget B that re-selects every turn from the full cache kept
+    in the host tier (``recompress="reselect"``); ``snapkv:B`` re-selects from what it kept.
 
     ``streaming:B`` keeps 4 sink rows and a recent window sized so that it holds as many
     rows as ``snapkv:B`` does (B + the observation window), a like-for-like comparison.
@@ -50,16 +54,20 @@ class PolicySpec:
         policy, _, budget = text.strip().partition(":")
         if policy == "full" and not budget:
             return cls(text.strip(), "full")
-        if policy in ("snapkv", "streaming") and budget.isdigit() and int(budget) > 0:
+        if policy in ("snapkv", "reselect", "streaming") and budget.isdigit() and int(budget) > 0:
             return cls(text.strip(), policy, int(budget))
-        raise InvalidArgument(f"policy spec {text!r}: use full, snapkv:<budget> or streaming:<rows>")
+        raise InvalidArgument(
+            f"policy spec {text!r}: use full, snapkv:<budget>, reselect:<budget> or streaming:<budget>"
+        )
 
     def settings(self, window: int) -> dict:
         """The session settings (as the API takes them) that realise this spec."""
         if self.policy == "full":
             return {"policy": "full"}
-        if self.policy == "snapkv":  # the paper's pooling, spelled out: a service may default otherwise
-            return {"policy": "snapkv", "budget": self.budget, "window": window, "kernel": 7, "pooling": "max"}
+        if self.policy in ("snapkv", "reselect"):  # the paper's pooling, spelled out: a service may differ
+            recompress = "reselect" if self.policy == "reselect" else "per_turn"
+            snapkv = {"policy": "snapkv", "budget": self.budget, "window": window, "kernel": 7, "pooling": "max"}
+            return snapkv | {"recompress": recompress}
         return {"policy": "streaming", "window": self.budget + window - 4}
 
 
@@ -151,7 +159,8 @@ class InProcess:
         from kvsnap.policies import make_policy
 
         settings = spec.settings(window)
-        session = self.engine.new_session(make_policy(settings.pop("policy"), **settings))
+        recompress = settings.pop("recompress", "per_turn")
+        session = self.engine.new_session(make_policy(settings.pop("policy"), **settings), recompress=recompress)
         out = []
         for i, text in enumerate(case.turns):
             t0 = time.perf_counter()

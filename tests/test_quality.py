@@ -73,7 +73,7 @@ def test_in_process_eval_scores_what_the_model_answered(llama_engine, tmp_path):
 
 def test_service_backend_answers_like_the_engine(service):
     """Through /v1/completions with x-session-id the service answers what the engine answers."""
-    spec = quality.EvalSpec(**TINY | {"policies": ("full", "snapkv:64")})
+    spec = quality.EvalSpec(**TINY | {"policies": ("full", "snapkv:64", "reselect:64")})
     engine = Engine(load_model("tiny-llama"))  # the replicas' prefill chunking
     cases = quality.build_cases(engine.tokenizer, spec)
     local = quality.evaluate(quality.InProcess(engine), cases, spec)
