@@ -40,7 +40,10 @@ def pass_key_prompt(tokenizer, target_tokens: int = 1500, depth: float = 0.5, se
 
 # -- several planted keys: multi-key and multi-turn retrieval ---------------------------------
 
-KEY_NAMES = ("red", "blue", "green", "yellow", "white", "black", "orange", "purple")
+# Distinct nouns and RULER's "special magic number" phrasing: with colour names ("the red
+# box") the embedded 270M model mixed keys up even with full KV (38% vs 100% measured on
+# 12 questions at 2K tokens).
+KEY_NAMES = ("apple", "river", "castle", "tiger", "violin", "pencil", "rocket", "garden")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +55,7 @@ class MultiKeyPrompt:
 
     def question(self, i: int) -> str:
         name = self.names[i]
-        return f"\nWhat is the pass key of the {name} box? The pass key of the {name} box is"
+        return f"\nWhat is the special magic number for {name}? The special magic number for {name} is"
 
 
 def multi_key_prompt(tokenizer, target_tokens: int = 1500, keys: int = 4, seed: int = 0) -> MultiKeyPrompt:
@@ -67,10 +70,7 @@ def multi_key_prompt(tokenizer, target_tokens: int = 1500, keys: int = 4, seed: 
     names = tuple(rng.sample(KEY_NAMES, keys))
     answers = tuple(str(rng.randint(10000, 99999)) for _ in range(keys))
     depths = tuple((i + rng.uniform(0.1, 0.9)) / keys for i in range(keys))
-    needles = [
-        f"The pass key of the {n} box is {v}. Remember it. {v} is the pass key of the {n} box. "
-        for n, v in zip(names, answers, strict=True)
-    ]
+    needles = [f"The special magic number for {n} is {v}. " for n, v in zip(names, answers, strict=True)]
     question = MultiKeyPrompt("", names, answers, depths).question(0)
     overhead = len(tokenizer.encode(INTRO + "".join(needles) + question, add_special_tokens=True))
     per_filler = len(tokenizer.encode(FILLER * 10, add_special_tokens=False)) / 10

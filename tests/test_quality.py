@@ -20,7 +20,7 @@ def test_multi_key_prompt_plants_every_key_in_depth_order():
     tok = ByteTokenizer()
     p = multi_key_prompt(tok, target_tokens=2000, keys=4, seed=7)
     assert len(set(p.names)) == 4 and len(set(p.answers)) == 4
-    positions = [p.document.index(f"pass key of the {n} box is {v}") for n, v in zip(p.names, p.answers, strict=True)]
+    positions = [p.document.index(f"magic number for {n} is {v}") for n, v in zip(p.names, p.answers, strict=True)]
     assert positions == sorted(positions)  # key i lies in the i-th slice of the document
     for pos, depth in zip(positions, p.depths, strict=True):
         assert abs(pos / len(p.document) - depth) < 0.1
