@@ -205,8 +205,10 @@ class SessionDirectory:
     def messages_key(self, tenant: str, session_id: str) -> str:
         return f"{self.prefix}:m:{check_id('tenant', tenant)}:{check_id('session id', session_id)}"
 
-    def export_key(self, tenant: str, session_id: str) -> str:
-        return f"{self.prefix}:x:{check_id('tenant', tenant)}:{check_id('session id', session_id)}"
+    def export_key(self, tenant: str, session_id: str, part: str = "") -> str:
+        """A KV hand-over; ``part="full"``: a reselect session's full copy, beside its selection."""
+        suffix = f":{part}" if part else ""
+        return f"{self.prefix}:x:{check_id('tenant', tenant)}:{check_id('session id', session_id)}{suffix}"
 
     def session_keys(self, tenant: str, session_id: str) -> list[str]:
         """Every key a session owns (TTL applies to all of them; a short-lived KV export may join them)."""
@@ -315,15 +317,16 @@ class SessionDirectory:
         return bool(self._call(self._set_tier, keys=keys, args=[owner, str(epoch), tier]))
 
     def delete(self, tenant: str, session_id: str) -> bool:
-        keys = [*self.session_keys(tenant, session_id), self.export_key(tenant, session_id)]
+        exports = [self.export_key(tenant, session_id), self.export_key(tenant, session_id, "full")]
+        keys = [*self.session_keys(tenant, session_id), *exports]
         return bool(self._call(self.client.delete, *keys))
 
     # -- KV hand-over between workers (drain) ----------------------------------------------
-    def put_export(self, tenant: str, session_id: str, data: bytes, ttl_s: int = 600) -> None:
-        self._call(self.client.set, self.export_key(tenant, session_id), data, ex=ttl_s)
+    def put_export(self, tenant: str, session_id: str, data: bytes, ttl_s: int = 600, part: str = "") -> None:
+        self._call(self.client.set, self.export_key(tenant, session_id, part), data, ex=ttl_s)
 
-    def take_export(self, tenant: str, session_id: str) -> bytes | None:
-        return self._call(self.client.getdel, self.export_key(tenant, session_id))
+    def take_export(self, tenant: str, session_id: str, part: str = "") -> bytes | None:
+        return self._call(self.client.getdel, self.export_key(tenant, session_id, part))
 
     # -- workers -------------------------------------------------------------------------
     def heartbeat(self, worker_id: str, epoch: int) -> None:

@@ -196,8 +196,12 @@ class Worker:
                 blob = self.store.get(key)
                 if blob is None or blob.version != held.entry.version or held.dirty:
                     continue  # nothing trustworthy to hand over: the next worker rebuilds from the log
+                full = self.store.peek(_full_key(key))
                 try:
                     self.directory.put_export(held.entry.tenant, held.entry.session_id, blob_to_bytes(blob))
+                    if full is not None and full.version == blob.version:  # reselect: its full copy goes too
+                        data = blob_to_bytes(full)
+                        self.directory.put_export(held.entry.tenant, held.entry.session_id, data, part="full")
                     exported += 1
                 except Unavailable:
                     break
@@ -207,9 +211,9 @@ class Worker:
         log.info("worker %s drained: %d sessions exported", self.worker_id, exported)
         return exported
 
-    def _import(self, entry: SessionEntry) -> KVBlob | None:
+    def _import(self, entry: SessionEntry, part: str = "") -> KVBlob | None:
         """A KV blob handed over by a draining worker, if it is of this entry's version."""
-        data = self.directory.take_export(entry.tenant, entry.session_id)
+        data = self.directory.take_export(entry.tenant, entry.session_id, part)
         if data is None:
             return None
         try:
@@ -217,6 +221,8 @@ class Worker:
         except ValueError as exc:
             log.warning("hand-over blob of %s unusable (%s); rebuilding", entry.session_id, exc)
             return None
+        if part:  # the full copy: checked against the version when attached
+            return blob
         return blob if blob.version == entry.version and blob.logical_len == entry.logical_len else None
 
     # -- the steps -----------------------------------------------------------------------
@@ -253,7 +259,8 @@ class Worker:
                 session.logical_len = blob.logical_len
                 session.transcript = list(held.transcript)
                 session.turns = entry.turns
-                self._attach_full_copy(key, entry, session)
+                if entry.recompress == "reselect":
+                    self._attach_full_copy(entry, session, self.store.peek(_full_key(key)))
                 self.counters[f"hit_{tier}"] += 1
                 return session, tier
             if entry.owner and entry.owner != self.worker_id:
@@ -265,6 +272,8 @@ class Worker:
                 session.logical_len = imported.logical_len
                 session.transcript = self.directory.tokens(entry.tenant, entry.session_id)
                 session.turns = entry.turns
+                if entry.recompress == "reselect":
+                    self._attach_full_copy(entry, session, self._import(entry, part="full"))
                 self.counters["imports"] += 1
                 return session, "imported"
             transcript = held.transcript if held and held.entry.version == entry.version else None
@@ -370,12 +379,9 @@ class Worker:
         tensors = [t for idx in sorted(session.full_kv) for t in session.full_kv[idx]]
         self.store.put(_full_key(key), KVBlob(tensors, session.full_len, version), tier=1)
 
-    def _attach_full_copy(self, key: str, entry: SessionEntry, session: Session) -> None:
-        """Give a reselect session its full copy back, when it is still in a tier and current;
-        without one the session goes on as plain SnapKV (re-selecting from what it kept)."""
-        if entry.recompress != "reselect":
-            return
-        blob = self.store.peek(_full_key(key))
+    def _attach_full_copy(self, entry: SessionEntry, session: Session, blob: KVBlob | None) -> None:
+        """Give a reselect session its full copy back (from a tier, or handed over by a drained
+        worker) when it is current; without one the session goes on as plain SnapKV."""
         if blob is None or blob.version != entry.version:
             self.counters["reselect_fallbacks"] += 1
             return

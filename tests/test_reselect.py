@@ -131,3 +131,21 @@ def test_worker_keeps_the_full_copy_in_the_host_tier_and_falls_back_without_it(l
     assert result.source == "rebuilt" and "acme/r/full" in other.store.tiers[1]
     other.delete("acme", "r")
     assert "acme/r/full" not in other.store.tiers[1]
+
+
+def test_drain_hands_the_full_copy_over_with_the_selection(llama_engine, directory_factory):
+    directory = directory_factory()
+    old = Worker(llama_engine, directory, build_store(10**9, 10**9), "old")
+    new = Worker(llama_engine, directory, build_store(10**9, 10**9), "new")
+    old.open("acme", "m", random_tokens(150, seed=8), POLICY, "reselect", sampling=SAMPLING)
+    full_before = old.store.peek("acme/m/full")
+    assert old.drain() == 1 and "acme/m/full" not in old.store.tiers[1]
+
+    result = new.turn("acme", "m", random_tokens(10, seed=9), SAMPLING)
+    assert result.source == "imported" and result.report.reselect_s > 0
+    assert new.counters["reselect_fallbacks"] == 0
+    moved = new.store.peek("acme/m/full")  # the old rows came along; this turn's rows were added
+    assert moved.logical_len > full_before.logical_len
+    for before, after in zip(full_before.tensors, moved.tensors, strict=True):
+        assert torch.equal(after[:, :, : before.shape[2]], before)
+    assert directory.take_export("acme", "m", part="full") is None  # taken, not left behind
