@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.kvsnap-installed
 TORCH   ?= torch==2.13.0
 ARGS    ?=
 
-.PHONY: install run generate test test-fast lint bench proto clean cluster-up cluster-deploy cluster-status cluster-dashboard cluster-down
+.PHONY: install run generate test test-fast lint bench bench-suite eval load proto clean cluster-up cluster-deploy cluster-status cluster-dashboard cluster-down
 
 install: $(STAMP)
 
@@ -36,6 +36,15 @@ lint: $(STAMP)
 
 bench: $(STAMP)  ## engine benchmark on the embedded model (minutes on 2 CPU cores)
 	$(BIN)/python bench/engine_bench.py $(ARGS)
+
+bench-suite: $(STAMP)  ## load tests vs a local service: resume, concurrency, routing gains + quality (long)
+	$(BIN)/python bench/suite.py $(ARGS)
+
+eval: $(STAMP)  ## quality harness on the embedded model, small version (ARGS="" for the full one)
+	$(BIN)/kvsnap eval $(or $(ARGS),--quick)
+
+load: $(STAMP)  ## load generator against a running service: make load ARGS="--api-key KEY --users 8"
+	$(BIN)/kvsnap load $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -91,7 +91,28 @@ def main() -> None:
             f"{r['reselect_share']:>11.1%} {t['reprefill'] * 1e3:>14.1f} "
             f"{r['device_kv_bytes']['reselect'] / 2**20:>11.2f} {r['host_full_copy_bytes'] / 2**20:>14.2f}"
         )
-    print(f"wrote {out / 'reselect_bench.json'}")
+    plot(rows, out / "reselect_bench.png")
+    print(f"wrote {out / 'reselect_bench.json'} and {out / 'reselect_bench.png'}")
+
+
+def plot(rows: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    labels = [f"{r['context_tokens']} tokens" for r in rows.values()]
+    for n, (mode, name) in enumerate((("per_turn", "SnapKV"), ("reselect", "reselect"), ("reprefill", "re-prefill"))):
+        xs = [i + (n - 1) * 0.27 for i in range(len(rows))]
+        ax.bar(xs, [r["turn_s"][mode] * 1e3 for r in rows.values()], width=0.27, label=name)
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set(ylabel="follow-up turn ms", yscale="log", title="per-turn re-selection cost")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

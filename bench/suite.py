@@ -47,7 +47,7 @@ SMALL = dict(
 )
 FULL = dict(
     model="gemma3-270m",
-    lengths="1024,2048,4096,8192",
+    lengths="1024,2048,4096,8192,16384",
     reps=3,
     context=4096,
     budget=512,
@@ -180,7 +180,15 @@ def child(args) -> dict:
     if name == "resume":
         lengths = [int(x) for x in args.lengths.split(",")]
         return in_own_ray(
-            resume_phase, args.model, lengths, args.reps, args.budget, model=args.model, replicas=1, cpus_per_replica=2
+            resume_phase,
+            args.model,
+            lengths,
+            args.reps,
+            args.budget,
+            model=args.model,
+            replicas=1,
+            cpus_per_replica=2,
+            max_prompt_tokens=4 * max(lengths),  # the stateless baseline sends whole transcripts
         )
     if name == "concurrency":
         settings = {"policy": "full"} if variant == "full" else {"policy": "snapkv", "budget": args.budget}
