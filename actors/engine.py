@@ -211,7 +211,8 @@ class Engine:
         new = session.logical_len - session.full_len
         for idx in captured.layers:
             layer: CompressedLayer = session.cache.layers[idx]
-            rows_k, rows_v = (_to_host(t[:, :, -new:]) for t in (layer.keys, layer.values))  # [1, H_kv, new, D]
+            kept = layer.kept_len - new  # rows before these were selected earlier (all of them in the copy)
+            rows_k, rows_v = (_to_host(t[:, :, kept:]) for t in (layer.keys, layer.values))  # [1, H_kv, new, D]
             old = full.get(idx)
             full_k, full_v = (rows_k, rows_v) if old is None else (_cat(old[0], rows_k), _cat(old[1], rows_v))
             full[idx] = (full_k, full_v)
