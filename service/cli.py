@@ -266,11 +266,13 @@ def cmd_eval(args) -> int:
         api_key = args.api_key or os.environ.get("KVSNAP_API_KEY")
         if not api_key:
             raise InvalidArgument("--api-key (or KVSNAP_API_KEY) is needed with --url")
-        backend = quality.OverHTTP(args.url, api_key)
+        args.model = args.model or _served_model(args.url, api_key)
+        backend = quality.OverHTTP(args.url, api_key, args.model)
         where, tokenizer = f"service {args.url}", _tokenizer(args.model)
     else:
         from kvsnap.actors import Engine, load_model
 
+        args.model = args.model or "gemma3-270m"
         print(f"loading model {args.model!r}...", file=sys.stderr, flush=True)
         engine = Engine(load_model(args.model, device=args.device))
         backend, where, tokenizer = quality.InProcess(engine), f"in-process on {engine.device}", engine.tokenizer
@@ -391,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     ev = sub.add_parser("eval", help="quality harness: pass-key, multi-key and multi-turn retrieval per policy")
-    ev.add_argument("--model", default="gemma3-270m", help="model to run in-process (or whose tokenizer --url uses)")
+    ev.add_argument("--model", default=None, help="model to run in-process (default gemma3-270m); with --url: its own")
     ev.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
     ev.add_argument("--url", default=None, help="evaluate a running service instead (its HTTP address)")
     ev.add_argument("--api-key", default=None, help="with --url (or KVSNAP_API_KEY)")

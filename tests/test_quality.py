@@ -92,3 +92,14 @@ def test_kvsnap_eval_cli_writes_results(tmp_path, capsys):
     assert set(summary) == {"passkey", "multiturn"} and set(summary["passkey"]) == {"full", "snapkv:32"}
     assert (tmp_path / "quality.json").exists() and (tmp_path / "quality.png").exists()
     assert kvsnap(["eval", "--model", "tiny-llama", "--policies", "bogus", "--out", str(tmp_path)]) == 2
+
+
+def test_kvsnap_eval_against_the_service(service, tmp_path, capsys):
+    argv = ["eval", "--url", service.http, "--api-key", "key-beta", "--lengths", "200", "--depths", "0.5"]
+    argv += ["--keys", "2", "--seeds", "1", "--policies", "full,reselect:32", "--window", "8", "--out", str(tmp_path)]
+    assert kvsnap(argv) == 0
+    saved = json.loads((tmp_path / "quality.json").read_text())
+    assert saved["meta"]["model"] == "tiny-llama"  # asked of the service, for its tokenizer
+    assert saved["meta"]["backend"] == f"service {service.http}"
+    assert {t["policy"] for t in saved["turns"]} == {"full", "reselect:32"}
+    assert "multiturn" in capsys.readouterr().out
