@@ -275,8 +275,10 @@ def summarize(scores: list[TurnScore]) -> dict:
             by["depth"][_depth_bin(r)].append(r)
             by["turn"][r.turn].append(r)
         last_turns = [r for r in rows if r.turn == max(x.turn for x in rows if x.seed == r.seed)]
+        follow_ups = [r for r in rows if r.turn > 1]
         out.setdefault(task, {})[policy] = {
             "accuracy": acc(rows),
+            "follow_up_accuracy": acc(follow_ups) if follow_ups else None,  # turns after the first
             "n": len(rows),
             "per_length": {str(k): acc(v) for k, v in sorted(by["length"].items())},
             "per_depth": {str(k): acc(v) for k, v in sorted(by["depth"].items())},
@@ -302,11 +304,14 @@ def format_tables(summary: dict) -> str:
         lengths = list(first["per_length"])
         turns = list(first["per_turn"]) if task == "multiturn" else []
         head = f"{'policy':16}{'acc':>7}" + "".join(f"{'L=' + k:>9}" for k in lengths)
-        head += "".join(f"{'turn ' + k:>9}" for k in turns) + f"{'KV MiB':>9}"
+        head += (
+            "".join(f"{'turn ' + k:>9}" for k in turns) + (f"{'follow-ups':>11}" if turns else "") + f"{'KV MiB':>9}"
+        )
         lines += ["", f"{task}  (accuracy; KV held at the end of a case, mean)", head]
         for policy, s in per_policy.items():
             row = f"{policy:16}{s['accuracy']:>7.0%}" + "".join(f"{s['per_length'][k]:>9.0%}" for k in lengths)
-            row += "".join(f"{s['per_turn'][k]:>9.0%}" for k in turns) + f"{s['kv_bytes_mean'] / 2**20:>9.2f}"
+            row += "".join(f"{s['per_turn'][k]:>9.0%}" for k in turns)
+            row += (f"{s['follow_up_accuracy']:>11.0%}" if turns else "") + f"{s['kv_bytes_mean'] / 2**20:>9.2f}"
             lines.append(row)
         lines.append(f"{'  by depth':16}" + "".join(f"{k:>11}" for k in first["per_depth"]))
         for policy, s in per_policy.items():

@@ -62,6 +62,8 @@ def test_in_process_eval_scores_what_the_model_answered(llama_engine, tmp_path):
     kv = {p: summary["multiturn"][p]["kv_bytes_mean"] for p in spec.policies}
     assert kv["snapkv:64"] < kv["full"] and kv["streaming:64"] < kv["full"]
     assert list(summary["multiturn"]["full"]["per_turn"]) == ["1", "2"]
+    assert summary["multiturn"]["full"]["follow_up_accuracy"] == summary["multiturn"]["full"]["per_turn"]["2"]
+    assert summary["passkey"]["full"]["follow_up_accuracy"] is None
 
     paths = quality.save(scores, summary, {"model": "tiny-llama"}, tmp_path)
     saved = json.loads(paths["json"].read_text())
