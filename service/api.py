@@ -58,6 +58,7 @@ class TurnOutcome:
     worker: str = ""
     source: str = ""
     state: dict | None = None
+    timings: dict = field(default_factory=dict)  # the worker's: prefill / reselect / decode / ttft seconds
 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
@@ -364,7 +365,8 @@ class SessionAPI:
         report = event["report"]
         self.metrics.record_turn(report, time.perf_counter() - (first_token_at or started))
         prefilled = report["prompt_tokens"]  # this turn's new tokens plus the previous answer's last one
-        return TurnOutcome(sid, text, ids, finish, prefilled, event["worker"], event["source"], event["state"])
+        timings = {k: report[k] for k in ("prefill_s", "reselect_s", "decode_s", "ttft_s")}
+        return TurnOutcome(sid, text, ids, finish, prefilled, event["worker"], event["source"], event["state"], timings)
 
     async def _drain(self, events: AsyncIterator[dict]) -> TurnOutcome:
         async for event in events:

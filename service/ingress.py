@@ -206,6 +206,7 @@ def _answer(outcome: TurnOutcome) -> dict:
         "worker": outcome.worker,
         "source": outcome.source,
         "state": state_view(outcome.state),
+        "timings": outcome.timings,
     }
 
 

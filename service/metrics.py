@@ -55,6 +55,12 @@ class Metrics:
         self.kept_tokens = Counter("kvsnap_kept_tokens", "rows kept per full layer after each turn", registry=r)
         self.generated_tokens = Counter("kvsnap_generated_tokens", "tokens generated", registry=r)
         self.requests = Counter("kvsnap_requests", "requests by route and status", ["route", "code"], registry=r)
+        self.reselect = Histogram(
+            "kvsnap_reselect_seconds",
+            "per turn: re-selecting from the full cache (sessions with recompress=reselect)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         if loads is not None:
             r.register(WorkerLoadCollector(loads))
 
@@ -64,6 +70,8 @@ class Metrics:
         self.generated_tokens.inc(report["generated_tokens"])
         if report["generated_tokens"] > 1:
             self.tpot.observe(decode_s / (report["generated_tokens"] - 1))
+        if report.get("reselect_s"):
+            self.reselect.observe(report["reselect_s"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

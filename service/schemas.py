@@ -75,6 +75,11 @@ class TurnAnswer(BaseModel):
     worker: str = Field(description="replica that served the turn")
     source: str = Field(description="where the KV came from: device/host/disk/imported/rebuilt/new")
     state: SessionState
+    timings: dict[str, float] = Field(
+        default_factory=dict,
+        description="the worker's seconds for this turn: prefill_s, reselect_s (re-selecting from the full "
+        "cache, recompress=reselect), decode_s, ttft_s",
+    )
 
 
 class ChatMessage(BaseModel):

@@ -484,3 +484,19 @@ def test_drained_holder_hands_its_sessions_over(service, llama_engine):
     finally:  # a drained replica is on its way out: replace it, as its node's end would
         kill_replica(victim)
         wait_for_workers()
+
+
+def test_reselect_session_reports_its_reselection_per_turn(service):
+    settings = {"policy": "snapkv", "budget": 16, "window": 8, "kernel": 3, "recompress": "reselect"}
+    assert create(service, "resel", settings).status_code == 201
+    answers = [turn(service, "resel", q).json() for q in QUESTIONS[:2]]
+    for a in answers:
+        assert a["source"] in ("device", "host") and a["timings"]["reselect_s"] > 0
+        assert a["state"]["kept_len"] <= 16 + 8 + 6  # the device holds the selection (+ this turn's answer)
+        assert set(a["timings"]) == {"prefill_s", "reselect_s", "decode_s", "ttft_s"}
+    metrics = requests.get(f"{service.http}/metrics", headers=service.headers()).text
+    count = next(line for line in metrics.splitlines() if line.startswith("kvsnap_reselect_seconds_count"))
+    assert float(count.split()[-1]) >= 2
+    # an ordinary SnapKV session re-selects from what it kept: no re-selection time
+    assert create(service, "not-resel", {"policy": "snapkv", "budget": 16, "window": 8}).status_code == 201
+    assert turn(service, "not-resel", QUESTIONS[0]).json()["timings"]["reselect_s"] == 0
