@@ -152,7 +152,9 @@ def concurrency_phase(cfg, model: str, context: int, settings: dict, max_session
     for sid in opened:
         requests.delete(f"{http}/v1/sessions/{sid}", headers=HEADERS, timeout=60)
     # the load at that many users: every turn should be served from the device tier
-    spec = loadgen.LoadSpec(users=max(1, resident), context=context, turns=turns, max_tokens=8, settings=settings)
+    spec = loadgen.LoadSpec(
+        users=max(1, resident), context=context, turns=turns, max_tokens=8, settings=settings, open_first=True
+    )
     load = loadgen.run(client, tok, spec, progress_s=0)
     return {
         "settings": settings,
@@ -170,7 +172,7 @@ def concurrency_phase(cfg, model: str, context: int, settings: dict, max_session
 
 def routing_phase(cfg, model: str, users: int, context: int, turns: int) -> dict:
     client = loadgen.HttpClient(f"http://127.0.0.1:{cfg.http_port}", KEY, 1800)
-    spec = loadgen.LoadSpec(users=users, context=context, turns=turns, max_tokens=8)
+    spec = loadgen.LoadSpec(users=users, context=context, turns=turns, max_tokens=8, open_first=True)
     return loadgen.run(client, _tokenizer(model), spec, progress_s=0)
 
 

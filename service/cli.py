@@ -319,6 +319,7 @@ def cmd_load(args) -> int:
         rate=args.rate,
         settings=settings,
         timeout_s=args.timeout,
+        open_first=args.open_first,
     )
     model = args.model or _served_model(args.url, api_key)
     if args.protocol == "grpc":
@@ -430,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--budget", type=int, default=None)
     ld.add_argument("--window", type=int, default=None)
     ld.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    ld.add_argument("--open-first", action="store_true", help="open every session before any follow-up starts")
     ld.add_argument("--progress", type=float, default=2.0, help="seconds between progress lines (0: none)")
     ld.add_argument("--model", default=None, help="tokenizer for sizing documents (default: what the service serves)")
     ld.add_argument("--out", default=None, help="write the report as JSON here")
