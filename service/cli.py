@@ -1,8 +1,9 @@
 """The ``kvsnap`` command line.
 
 ``kvsnap serve`` runs the service (local Ray, embedded Redis, HTTP + gRPC) in the
-foreground; ``kvsnap chat`` is an interactive client for it; ``kvsnap spot-watch``
-runs on spot GPU nodes (see cluster/README.md).
+foreground; ``kvsnap chat`` is an interactive client for it; ``kvsnap load`` is a
+multi-turn load generator against it; ``kvsnap eval`` is the quality harness (in-process
+or against a service); ``kvsnap spot-watch`` runs on spot GPU nodes (see cluster/README.md).
 
 ``kvsnap generate`` runs one session in-process on the embedded Gemma 3 270M (or
 ``--model``): it prefills a long prompt (by default a generated pass-key document
