@@ -149,3 +149,13 @@ def test_drain_hands_the_full_copy_over_with_the_selection(llama_engine, directo
     for before, after in zip(full_before.tensors, moved.tensors, strict=True):
         assert torch.equal(after[:, :, : before.shape[2]], before)
     assert directory.take_export("acme", "m", part="full") is None  # taken, not left behind
+
+
+def test_full_copy_demoted_to_disk_still_serves_reselection(llama_engine, directory_factory, tmp_path):
+    # a host tier too small for the full copy: LRU pushes it down to the disk tier
+    worker = Worker(llama_engine, directory_factory(), build_store(10**9, 1, 10**9, tmp_path), "w1")
+    worker.open("acme", "d", random_tokens(150, seed=10), POLICY, "reselect", sampling=SAMPLING)
+    assert worker.store.tier_of("acme/d/full") == "disk" and worker.store.tier_of("acme/d") == "device"
+    result = worker.turn("acme", "d", random_tokens(10, seed=11), SAMPLING)
+    assert result.source == "device" and result.report.reselect_s > 0
+    assert worker.counters["reselect_fallbacks"] == 0 and worker.store.tier_of("acme/d/full") == "disk"
