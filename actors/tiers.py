@@ -120,6 +120,18 @@ class Tier:
         self.discard(key)
         return blob
 
+    def read(self, key: str) -> KVBlob | None:
+        """The blob, left in place and touched as recently used; None (and removed) when it fails
+        its checksum."""
+        if key not in self.sizes:
+            return None
+        blob = self._load(key)
+        if blob is None:
+            self.discard(key)
+        else:
+            self.lru.touch(key)
+        return blob
+
     def discard(self, key: str) -> None:
         if self.sizes.pop(key, None) is not None:
             self.lru.remove(key)
@@ -242,11 +254,9 @@ class TieredStore:
         """The blob, left in its tier (touched as recently used, not promoted); None when absent or corrupt."""
         for tier in self.tiers:
             if key in tier:
-                blob = tier.take(key)
+                blob = tier.read(key)
                 if blob is None:
                     self.stats.corrupt += 1
-                    return None
-                tier.put(key, blob)
                 return blob
         return None
 
