@@ -164,8 +164,9 @@ class Engine:
         if capture_layers and session.recompress == "reselect" and (first_turn or session.full_kv is not None):
             t0 = time.perf_counter()
             self._reselect(session, captured, window)
-            timer.reselect_s += time.perf_counter() - t0
-            timer.compress_s += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            timer.reselect_s += elapsed
+            timer.compress_s += elapsed
         elif capture_layers:  # also a reselect session that lost its full copy: plain SnapKV per turn
             t0 = time.perf_counter()
             self._compress(session, captured, window)

@@ -30,6 +30,7 @@ from pathlib import Path
 import requests
 from harness import HEADERS, KEY, emit, in_own_ray, run_phase_process
 
+from kvsnap.actors.models import tokenizer_for
 from kvsnap.service import loadgen
 
 PHASES = ("resume", "concurrency", "routing", "quality")
@@ -57,12 +58,6 @@ FULL = dict(
     routing_context=2048,
     turns=3,
 )
-
-
-def _tokenizer(model: str):
-    from kvsnap.actors.models import tokenizer_for
-
-    return tokenizer_for(model)
 
 
 # -- resume gain ------------------------------------------------------------------------------
@@ -97,7 +92,7 @@ def resume_phase(cfg, model: str, lengths: list[int], reps: int, budget: int) ->
     from kvsnap.service.tasks import pass_key_prompt
 
     http = f"http://127.0.0.1:{cfg.http_port}"
-    tok = _tokenizer(model)
+    tok = tokenizer_for(model)
     client = loadgen.HttpClient(http, KEY, 1800)
     settings = {"policy": "snapkv", "budget": budget, "window": 32}
     question = "Repeat the pass key, please."
@@ -134,7 +129,7 @@ def resume_phase(cfg, model: str, lengths: list[int], reps: int, budget: int) ->
 
 def concurrency_phase(cfg, model: str, context: int, settings: dict, max_sessions: int, turns: int) -> dict:
     http = f"http://127.0.0.1:{cfg.http_port}"
-    tok = _tokenizer(model)
+    tok = tokenizer_for(model)
     client = loadgen.HttpClient(http, KEY, 1800)
     opened, resident, first_demotion, kv_bytes = [], 0, None, 0
     for i in range(max_sessions):
@@ -143,12 +138,11 @@ def concurrency_phase(cfg, model: str, context: int, settings: dict, max_session
         if not s.ok:
             raise RuntimeError(f"opening session {i} failed with {s.status}")
         opened.append(sid)
-        tiers = [requests.get(f"{http}/v1/sessions/{x}", headers=HEADERS, timeout=60).json()["tier"] for x in opened]
-        if any(t != "device" for t in tiers):
+        states = [requests.get(f"{http}/v1/sessions/{x}", headers=HEADERS, timeout=60).json() for x in opened]
+        if any(state["tier"] != "device" for state in states):
             first_demotion = i + 1
             break
-        resident = len(opened)
-        kv_bytes = requests.get(f"{http}/v1/sessions/{sid}", headers=HEADERS, timeout=60).json()["kv_bytes"]
+        resident, kv_bytes = len(opened), states[-1]["kv_bytes"]
     for sid in opened:
         requests.delete(f"{http}/v1/sessions/{sid}", headers=HEADERS, timeout=60)
     # the load at that many users: every turn should be served from the device tier
@@ -173,7 +167,7 @@ def concurrency_phase(cfg, model: str, context: int, settings: dict, max_session
 def routing_phase(cfg, model: str, users: int, context: int, turns: int) -> dict:
     client = loadgen.HttpClient(f"http://127.0.0.1:{cfg.http_port}", KEY, 1800)
     spec = loadgen.LoadSpec(users=users, context=context, turns=turns, max_tokens=8, open_first=True)
-    return loadgen.run(client, _tokenizer(model), spec, progress_s=0)
+    return loadgen.run(client, tokenizer_for(model), spec, progress_s=0)
 
 
 def child(args) -> dict:

@@ -264,9 +264,7 @@ def cmd_eval(args) -> int:
     given = {k: v for k in fields if (v := getattr(args, k)) is not None}
     spec = quality.EvalSpec(**({**QUICK_EVAL, **given} if args.quick else given))
     if args.url:
-        api_key = args.api_key or os.environ.get("KVSNAP_API_KEY")
-        if not api_key:
-            raise InvalidArgument("--api-key (or KVSNAP_API_KEY) is needed with --url")
+        api_key = _api_key(args)
         args.model = args.model or _served_model(args.url, api_key)
         backend = quality.OverHTTP(args.url, api_key, args.model)
         where, tokenizer = f"service {args.url}", _tokenizer(args.model)
@@ -306,9 +304,7 @@ def cmd_load(args) -> int:
 
     from kvsnap.service import loadgen
 
-    api_key = args.api_key or os.environ.get("KVSNAP_API_KEY")
-    if not api_key:
-        raise InvalidArgument("--api-key (or KVSNAP_API_KEY) is needed")
+    api_key = _api_key(args)
     settings = {k: v for k in ("policy", "budget", "window") if (v := getattr(args, k)) is not None}
     spec = loadgen.LoadSpec(
         users=args.users,
@@ -334,6 +330,14 @@ def cmd_load(args) -> int:
             json.dump(result, fh, indent=1)
         print(f"wrote {args.out}")
     return 0 if not result["errors"] else 1
+
+
+def _api_key(args) -> str:
+    """The client's API key: --api-key, else KVSNAP_API_KEY (kvsnap eval --url, kvsnap load)."""
+    api_key = args.api_key or os.environ.get("KVSNAP_API_KEY")
+    if not api_key:
+        raise InvalidArgument(f"--api-key (or KVSNAP_API_KEY) is needed for `kvsnap {args.command}`")
+    return api_key
 
 
 def _served_model(url: str, api_key: str) -> str:
