@@ -41,7 +41,6 @@ class AffinityRouter(RequestRouter):
         self.prefix = prefix
         self.overload_queue_len = overload_queue_len
         self.affinity = affinity  # False: plain round-robin, the baseline the benchmark compares against
-        self._cursor = 0
         # Routing stats lag by up to a second: sessions placed since then count as load too.
         self._placed: dict[str, deque[float]] = {}
 
@@ -56,10 +55,11 @@ class AffinityRouter(RequestRouter):
             target = by_id.get(key[len("worker:") :])
             return [[target]] if target else [candidate_replicas]
 
-        if not self.affinity:
-            self._cursor += 1
+        if not self.affinity:  # the baseline: spread requests in rotation from a random start, so that
+            # turns cannot line up with where sessions were placed (a strict rotation did, now and then)
             ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
-            return [[ordered[(self._cursor + i) % len(ordered)]] for i in range(len(ordered))]
+            start = random.randrange(len(ordered))
+            return [[ordered[(start + i) % len(ordered)]] for i in range(len(ordered))]
 
         if "/" in key:
             holder = by_id.get(await self._owner(key))
