@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvsnap.errors import InvalidArgument
-from kvsnap.policies import Policy, gather_rows, make_policy
+from kvsnap.policies import Policy, gather_rows, make_policy, step_attention, window_attention
 
 from .cache import CompressedLayer, full_layer_indices, new_session_cache
 from .capture import WindowCapture
@@ -152,8 +152,10 @@ class Engine:
         new = session.pending + list(tokens)
         session.transcript.extend(tokens)
         window = min(session.policy.window, len(new))
+        decoder = session.policy.decoder()
+        compress = session.policy.compresses_anything and (first_turn or session.recompress != "never")
         capture_layers = set()
-        if session.policy.compresses_anything and (first_turn or session.recompress != "never"):
+        if compress or (decoder is not None and decoder.needs_attention):
             capture_layers = set(full_layer_indices(session.cache))
 
         t0 = time.perf_counter()
@@ -161,16 +163,18 @@ class Engine:
             logits = self._forward(session, new)
         timer.prefill_s += time.perf_counter() - t0
 
-        if capture_layers and session.recompress == "reselect" and (first_turn or session.full_kv is not None):
+        if compress and session.recompress == "reselect" and (first_turn or session.full_kv is not None):
             t0 = time.perf_counter()
             self._reselect(session, captured, window)
             elapsed = time.perf_counter() - t0
             timer.reselect_s += elapsed
             timer.compress_s += elapsed
-        elif capture_layers:  # also a reselect session that lost its full copy: plain SnapKV per turn
+        elif compress:  # also a reselect session that lost its full copy: plain SnapKV per turn
             t0 = time.perf_counter()
             self._compress(session, captured, window)
             timer.compress_s += time.perf_counter() - t0
+        if decoder is not None:
+            session.decoding = self._start_decoding(session, decoder, captured)
         return logits
 
     def _forward(self, session: Session, new: list[int]) -> torch.Tensor:
@@ -229,6 +233,41 @@ class Engine:
             layer.values = gather_rows(full_v, host_positions).to(self.device, non_blocking=True)
         session.full_kv, session.full_len = full, session.logical_len
 
+    def _start_decoding(self, session: Session, decoder: Policy, captured: WindowCapture) -> dict[int, object]:
+        """Each full-attention layer's decode-time eviction state, seeded with the observation
+        window's attention over the rows the layer kept (the window is their tail)."""
+        states = {}
+        for idx in full_layer_indices(session.cache):
+            layer: CompressedLayer = session.cache.layers[idx]
+            attn = None
+            if decoder.needs_attention:
+                attn = window_attention(captured.queries[idx], layer.keys, captured.scales.get(idx)).mean(dim=2)
+            states[idx] = decoder.start(attn, layer.kept_len)  # attn: [B, H_kv, w, kept]
+        return states
+
+    def _make_room(self, session: Session, decoder: Policy, room: int) -> None:
+        """Evict so that ``room`` new rows fit in every full-attention layer's capacity."""
+        for idx, state in session.decoding.items():
+            layer: CompressedLayer = session.cache.layers[idx]
+            if layer.kept_len + room > decoder.capacity():
+                positions = decoder.keep(state, layer.kept_len, room).to(layer.keys.device)
+                layer.keep(positions.expand(layer.keys.shape[0], layer.keys.shape[1], -1))
+
+    def _decode_step(self, session: Session) -> torch.Tensor:
+        """Feed the pending token(s) back; with a decode-time evictor, make room first and let it
+        see this step's attention (one query row per layer)."""
+        decoder = session.policy.decoder()
+        if decoder is None:
+            return self._forward(session, session.pending)
+        self._make_room(session, decoder, len(session.pending))
+        layers = set(session.decoding) if decoder.needs_attention else set()
+        with WindowCapture(1, layers) as captured:
+            logits = self._forward(session, session.pending)
+        for idx in layers:
+            attn = step_attention(captured.queries[idx], session.cache.layers[idx].keys, captured.scales.get(idx))
+            decoder.observe(session.decoding[idx], attn)  # attn: [B, H_kv, rows]
+        return logits
+
     def decode_tokens(
         self, session: Session, logits: torch.Tensor, sampling: SamplingParams, out: TurnStream
     ) -> Iterator[int]:
@@ -252,7 +291,7 @@ class Engine:
             if session.logical_len + len(session.pending) >= self.max_context:
                 return
             with torch.inference_mode():
-                logits = self._forward(session, session.pending)
+                logits = self._decode_step(session)
 
     # -- checks and references -----------------------------------------------------------
     def _validate(self, session: Session, tokens: list[int], sampling: SamplingParams) -> None:

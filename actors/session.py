@@ -20,6 +20,16 @@ from .cache import cache_bytes, full_cache_bytes, kept_len
 RECOMPRESS_MODES = ("per_turn", "never", "reselect")
 
 
+def check_recompress(policy: Policy, recompress: str) -> None:
+    """Raise InvalidArgument for an unknown mode or one the policy cannot follow."""
+    if recompress not in RECOMPRESS_MODES:
+        raise InvalidArgument(f"recompress must be one of {list(RECOMPRESS_MODES)}, got {recompress!r}")
+    if recompress == "reselect" and policy.decoder() is not None:
+        # re-selection appends every row generated since the last turn to the full copy; a
+        # decode-time evictor has dropped some of them from the device cache already
+        raise InvalidArgument(f"recompress='reselect' does not combine with decode-time eviction ({policy.name})")
+
+
 @dataclass(slots=True)
 class TurnReport:
     """What one turn cost and what it left behind."""
@@ -63,10 +73,11 @@ class Session:
     # [1, H_kv, full_len, D]) in host memory; None = no full copy (plain SnapKV per turn)
     full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     full_len: int = 0  # positions the full copy covers
+    # decode-time eviction state of this turn, per full-attention layer (policy.decoder(); not stored)
+    decoding: dict[int, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.recompress not in RECOMPRESS_MODES:
-            raise InvalidArgument(f"recompress must be one of {RECOMPRESS_MODES}, got {self.recompress!r}")
+        check_recompress(self.policy, self.recompress)
 
     @property
     def pending(self) -> list[int]:

@@ -7,7 +7,11 @@ from a lower tier promotes the blob back to the device tier.
 
 Host and disk copies carry a checksum; a mismatch or a truncated file is a miss
 (the caller rebuilds), never loaded. Byte accounting is exact: a tier's
-``bytes_used`` is the sum of its tensors' bytes.
+``bytes_used`` is the sum of the bytes it stores.
+
+A tier may store KIVI-quantized KV (``kivi=KIVI(bits=2)``, see ``policies/kivi.py``): it
+packs a blob on the way in and hands back a dequantized one; a packed blob moves between
+tiers with the same KIVI settings as it is (never quantized twice).
 """
 
 from __future__ import annotations
@@ -25,18 +29,23 @@ import torch
 from safetensors.torch import load, save
 
 from kvsnap.policies import LRU
+from kvsnap.policies.kivi import KIVI, unpack
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class KVBlob:
-    """One session's KV at rest: ``[k_0, v_0, k_1, v_1, ...]`` plus the lengths to rebuild the cache."""
+    """One session's KV at rest: ``[k_0, v_0, k_1, v_1, ...]`` plus the lengths to rebuild the cache.
+
+    A KIVI-packed blob has ``layout`` (one entry per original tensor) and its ``tensors`` are
+    the packed parts; :meth:`unpacked` gives the dequantized tensors back."""
 
     tensors: list[torch.Tensor]
     logical_len: int
     version: int  # the directory version this KV belongs to
     checksum: str = ""
+    layout: list[dict] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -45,6 +54,8 @@ class KVBlob:
     def compute_checksum(self) -> str:
         h = hashlib.blake2b(digest_size=16)
         h.update(f"{self.logical_len}:{self.version}".encode())
+        if self.layout is not None:
+            h.update(json.dumps(self.layout, sort_keys=True).encode())
         for t in self.tensors:
             h.update(str(tuple(t.shape)).encode())
             h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
@@ -54,7 +65,23 @@ class KVBlob:
         moved = [t.to(device) for t in self.tensors]
         if pin:
             moved = [t.pin_memory() for t in moved]
-        return KVBlob(moved, self.logical_len, self.version, self.checksum)
+        return KVBlob(moved, self.logical_len, self.version, self.checksum, self.layout)
+
+    def packed(self, kivi: KIVI) -> KVBlob:
+        parts, layout = kivi.pack(self.tensors)
+        return KVBlob(parts, self.logical_len, self.version, "", layout)
+
+    def unpacked(self) -> KVBlob:
+        if self.layout is None:
+            return self
+        return KVBlob(unpack(self.tensors, self.layout), self.logical_len, self.version)
+
+    def packed_by(self, kivi: KIVI | None) -> bool:
+        """True when this blob is stored exactly as ``kivi`` (None: unquantized) would store it."""
+        if self.layout is None or kivi is None:
+            return self.layout is None and kivi is None
+        want = kivi.settings()
+        return all({k: m[k] for k in want} == want for m in self.layout)
 
 
 def blob_to_bytes(blob: KVBlob) -> bytes:
@@ -66,6 +93,8 @@ def blob_to_bytes(blob: KVBlob) -> bytes:
         "n": str(len(tensors)),
         "checksum": blob.compute_checksum(),
     }
+    if blob.layout is not None:
+        meta["layout"] = json.dumps(blob.layout)
     return save(tensors, metadata=meta)
 
 
@@ -80,6 +109,7 @@ def blob_from_bytes(data: bytes) -> KVBlob:
             int(meta["logical_len"]),
             int(meta["version"]),
             meta["checksum"],
+            json.loads(meta["layout"]) if "layout" in meta else None,
         )
     except Exception as exc:
         raise ValueError(f"unreadable KV blob: {exc}") from exc
@@ -93,10 +123,11 @@ class Tier:
 
     name = "tier"
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, kivi: KIVI | None = None):
         if budget_bytes < 0:
             raise ValueError(f"{self.name} tier budget must be >= 0")
         self.budget = budget_bytes
+        self.kivi = kivi  # store KIVI-quantized KV (None: as given)
         self.lru = LRU()
         self.sizes: dict[str, int] = {}
 
@@ -108,29 +139,34 @@ class Tier:
         return key in self.sizes
 
     def put(self, key: str, blob: KVBlob) -> None:
+        if not blob.packed_by(self.kivi):
+            blob = blob.unpacked()
+            if self.kivi is not None:
+                blob = blob.packed(self.kivi)
         self._store(key, blob)
         self.sizes[key] = blob.nbytes
         self.lru.touch(key)
 
-    def take(self, key: str) -> KVBlob | None:
-        """Remove and return the blob; None (and removed) when it fails its checksum."""
+    def take(self, key: str, raw: bool = False) -> KVBlob | None:
+        """Remove and return the blob (``raw``: as stored, maybe KIVI-packed); None (and removed)
+        when it fails its checksum."""
         if key not in self.sizes:
             return None
         blob = self._load(key)
         self.discard(key)
-        return blob
+        return blob if raw or blob is None else blob.unpacked()
 
     def read(self, key: str) -> KVBlob | None:
-        """The blob, left in place and touched as recently used; None (and removed) when it fails
-        its checksum."""
+        """The blob (dequantized), left in place and touched as recently used; None (and
+        removed) when it fails its checksum."""
         if key not in self.sizes:
             return None
         blob = self._load(key)
         if blob is None:
             self.discard(key)
-        else:
-            self.lru.touch(key)
-        return blob
+            return None
+        self.lru.touch(key)
+        return blob.unpacked()
 
     def discard(self, key: str) -> None:
         if self.sizes.pop(key, None) is not None:
@@ -148,8 +184,8 @@ class DeviceTier(Tier):
 
     name = "device"
 
-    def __init__(self, budget_bytes: int, device: torch.device | str = "cpu"):
-        super().__init__(budget_bytes)
+    def __init__(self, budget_bytes: int, device: torch.device | str = "cpu", kivi: KIVI | None = None):
+        super().__init__(budget_bytes, kivi)
         self.device = torch.device(device)
         self.blobs: dict[str, KVBlob] = {}
 
@@ -168,8 +204,8 @@ class HostTier(Tier):
 
     name = "host"
 
-    def __init__(self, budget_bytes: int):
-        super().__init__(budget_bytes)
+    def __init__(self, budget_bytes: int, kivi: KIVI | None = None):
+        super().__init__(budget_bytes, kivi)
         self.pin = torch.cuda.is_available()
         self.blobs: dict[str, KVBlob] = {}
 
@@ -194,8 +230,8 @@ class DiskTier(Tier):
 
     name = "disk"
 
-    def __init__(self, budget_bytes: int, directory: str | os.PathLike):
-        super().__init__(budget_bytes)
+    def __init__(self, budget_bytes: int, directory: str | os.PathLike, kivi: KIVI | None = None):
+        super().__init__(budget_bytes, kivi)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
 
@@ -265,14 +301,14 @@ class TieredStore:
         for i, tier in enumerate(self.tiers):
             if key not in tier:
                 continue
-            blob = tier.take(key)
+            blob = tier.take(key, raw=True)
             if blob is None:
                 self.stats.corrupt += 1
                 return None
             if i > 0:
                 self.stats.promotions[f"{tier.name}->{self.tiers[0].name}"] += 1
             self.put(key, blob)
-            return self.tiers[0].blobs[key] if key in self.tiers[0] else blob
+            return (self.tiers[0].blobs[key] if key in self.tiers[0] else blob).unpacked()
         return None
 
     def discard(self, key: str) -> None:
@@ -297,7 +333,7 @@ class TieredStore:
         for i, tier in enumerate(self.tiers):
             while tier.bytes_used > tier.budget:
                 victim = tier.lru.coldest()
-                blob = tier.take(victim)
+                blob = tier.take(victim, raw=True)
                 if i + 1 < len(self.tiers) and blob is not None:
                     self.tiers[i + 1].put(victim, blob)
                     self.stats.demotions[f"{tier.name}->{self.tiers[i + 1].name}"] += 1
@@ -317,11 +353,16 @@ def build_store(
     disk_bytes: int = 0,
     disk_dir: str | None = None,
     device: torch.device | str = "cpu",
+    kivi: KIVI | None = None,
+    kivi_device: bool = False,
 ) -> TieredStore:
-    """device + host tiers, plus a disk tier when ``disk_bytes`` > 0 and ``disk_dir`` is given."""
-    tiers: list[Tier] = [DeviceTier(device_bytes, device), HostTier(host_bytes)]
+    """device + host tiers, plus a disk tier when ``disk_bytes`` > 0 and ``disk_dir`` is given.
+
+    ``kivi``: the host and disk tiers store KIVI-quantized KV (and the device tier too with
+    ``kivi_device``)."""
+    tiers: list[Tier] = [DeviceTier(device_bytes, device, kivi if kivi_device else None), HostTier(host_bytes, kivi)]
     if disk_bytes > 0:
         if not disk_dir:
             raise ValueError("a disk tier needs a directory")
-        tiers.append(DiskTier(disk_bytes, disk_dir))
+        tiers.append(DiskTier(disk_bytes, disk_dir, kivi))
     return TieredStore(tiers)

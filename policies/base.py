@@ -95,6 +95,44 @@ class Policy:
         params = ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
         return f"{self.name}({params})"
 
+    def decoder(self) -> Policy | None:
+        """The policy that evicts rows while decoding (an :class:`~kvsnap.policies.decoding.Evictor`),
+        or None: a turn's generated rows then stay until the next turn compresses."""
+        return None
+
+
+def window_attention(
+    window_queries: torch.Tensor, keys: torch.Tensor, scale: float | None = None, chunk: int | None = None
+) -> torch.Tensor:
+    """Attention of the observation-window queries over ``keys``, per query head, causal:
+    [B, H, w, D] x [B, H_kv, L, D] -> [B, H_kv, G, w, L] (G = H / H_kv; float32).
+
+    The window is the last w rows of ``keys``: window query i sits at position L - w + i and
+    sees keys j <= L - w + i. ``chunk``: move ``keys`` to the queries' device that many rows at
+    a time (the logits are w x L, small; only the keys are big).
+    """
+    batch, heads, w, dim = window_queries.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    if heads % kv_heads:
+        raise InvalidArgument(f"{heads} query heads do not split into {kv_heads} KV groups")
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    q = window_queries.float().view(batch, kv_heads, heads // kv_heads, w, dim)  # [B, H_kv, G, w, D]
+    step = chunk or length
+    parts = []
+    for start in range(0, length, step):
+        k = keys[:, :, start : start + step].to(q.device, non_blocking=True).float().unsqueeze(2)
+        parts.append(torch.matmul(q, k.transpose(-1, -2)))  # [B, H_kv, G, w, step]
+    logits = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)) * scale  # [B, H_kv, G, w, L]
+    causal = torch.ones(w, w, dtype=torch.bool, device=q.device).triu(1)
+    logits[..., length - w :].masked_fill_(causal, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def step_attention(query: torch.Tensor, keys: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Attention of one decoding query over every row of a layer, averaged within each KV group:
+    [B, H, 1, D] x [B, H_kv, L, D] -> [B, H_kv, L] (float32). One step sees every row."""
+    return window_attention(query[:, :, -1:], keys, scale).mean(dim=2)[:, :, 0]
+
 
 def gather_rows(states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """states: [B, H_kv, L, D], positions: [B, H_kv, k] -> [B, H_kv, k, D]."""

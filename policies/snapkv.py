@@ -12,7 +12,6 @@ per KV head and the GQA memory saving survives.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 
 from kvsnap.errors import InvalidArgument
 
-from .base import Policy, _check_int
+from .base import Policy, _check_int, window_attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,23 +49,10 @@ class SnapKV(Policy):
     ) -> torch.Tensor:
         """``chunk``: move and score ``keys`` that many rows at a time (``keys`` may then live on
         another device, e.g. a full cache kept in host memory); the result is the same."""
-        batch, heads, w, dim = window_queries.shape
-        kv_heads, length = keys.shape[1], keys.shape[2]
-        if heads % kv_heads:
-            raise InvalidArgument(f"{heads} query heads do not split into {kv_heads} KV groups")
-        group = heads // kv_heads
-        scale = 1.0 / math.sqrt(dim) if scale is None else scale
-        q = window_queries.float().view(batch, kv_heads, group, w, dim)  # [B, H_kv, G, w, D]
-        step = chunk or length
-        parts = []
-        for start in range(0, length, step):  # logits are w x L, small; only the keys are big
-            k = keys[:, :, start : start + step].to(q.device, non_blocking=True).float().unsqueeze(2)
-            parts.append(torch.matmul(q, k.transpose(-1, -2)))  # [B, H_kv, G, w, step]
-        logits = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)) * scale  # [B, H_kv, G, w, L]
-        # Window query i sits at position L - w + i: it sees the prefix and window keys j <= i.
-        causal = torch.ones(w, w, dtype=torch.bool, device=q.device).triu(1)
-        logits[..., length - w :].masked_fill_(causal, float("-inf"))
-        attn = logits.softmax(dim=-1)
+        batch, kv_heads, length = keys.shape[0], keys.shape[1], keys.shape[2]
+        w = window_queries.shape[-2]
+        attn = window_attention(window_queries, keys, scale, chunk)  # [B, H_kv, G, w, L]
+        group = attn.shape[2]
         votes = attn[..., : length - w].sum(dim=-2)  # [B, H_kv, G, L - w]
         pooled = self._pool(votes.reshape(batch * kv_heads * group, 1, length - w))
         pooled = pooled.view(batch, kv_heads, group, length - w)

@@ -135,5 +135,5 @@ def test_bad_policy_parameters(params, match):
 
 
 def test_unknown_policy_lists_valid_names():
-    with pytest.raises(InvalidArgument, match="valid policies: full, snapkv, streaming"):
+    with pytest.raises(InvalidArgument, match="valid policies: full, h2o, scissorhands, snapkv, streaming"):
         make_policy("h3o")
