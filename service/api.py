@@ -21,7 +21,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from kvsnap.actors.directory import SessionDirectory, check_id
 from kvsnap.actors.sampling import SamplingParams
-from kvsnap.actors.session import RECOMPRESS_MODES
+from kvsnap.actors.session import check_recompress
 from kvsnap.errors import (
     Conflict,
     DeadlineExceeded,
@@ -61,6 +61,16 @@ class TurnOutcome:
     timings: dict = field(default_factory=dict)  # the worker's: prefill / reselect / decode / ttft seconds
 
 
+# the session settings each policy takes (the rest of a request's settings are ignored for it)
+POLICY_FIELDS = {
+    "full": ("window",),
+    "streaming": ("window", "sinks"),
+    "snapkv": ("window", "budget", "kernel", "pooling"),
+    "h2o": ("window", "budget"),
+    "scissorhands": ("window", "budget", "history"),
+}
+
+
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
     cuts = [text.find(s) for s in stop if s in text]
     return text[: min(cuts)] if cuts else text
@@ -85,14 +95,18 @@ class SessionAPI:
         if "window" not in explicit:
             merged["window"] = max(1, min(merged["window"], prompt_len))
         recompress = merged.pop("recompress")
-        if recompress not in RECOMPRESS_MODES:
-            raise InvalidArgument(f"recompress must be one of {list(RECOMPRESS_MODES)}, got {recompress!r}")
         name = merged.pop("policy")
-        fields = {"full": ("window",), "streaming": ("window",), "snapkv": ("window", "budget", "kernel", "pooling")}
-        if name not in fields:
+        if name not in POLICY_FIELDS:
             make_policy(name)  # raises with the list of valid names
-        params = {k: merged[k] for k in fields[name]}
-        make_policy(name, **params)  # validates every parameter
+        params = {k: merged[k] for k in POLICY_FIELDS[name] if k in merged}
+        decode = explicit.get("decode")
+        if decode is not None:
+            decode = {k: v for k, v in decode.items() if v is not None}
+            unused = set(decode) - {"policy", *POLICY_FIELDS.get(decode.get("policy"), ())}
+            if unused:
+                raise InvalidArgument(f"decode policy {decode.get('policy')!r} takes no {sorted(unused)}")
+            params["decode"] = decode
+        check_recompress(make_policy(name, **params), recompress)  # validates every parameter
         return {"policy": name, "recompress": recompress, **params}
 
     def sampling(self, fields: dict) -> dict:

@@ -40,6 +40,14 @@ class ServiceConfig(BaseModel):
     device_tier_mib: int = Field(1024, ge=0, description="device (GPU, or CPU here) tier budget per replica")
     host_tier_mib: int = Field(4096, ge=0, description="host tier budget per replica")
     disk_tier_mib: int = Field(0, ge=0, description="disk tier budget per replica (0 = no disk tier)")
+    kv_quant: str = Field(
+        "none",
+        pattern="^(none|kivi2|kivi4)$",
+        description="KIVI-quantize the KV the host and disk tiers store: none | kivi2 | kivi4 (2 / 4 bits; lossy)",
+    )
+    kv_quant_device: bool = Field(False, description="also quantize the device tier (with kv_quant)")
+    kv_quant_group: int = Field(32, ge=1, description="KIVI group size: tokens per key group, channels per value group")
+    kv_quant_residual: int = Field(32, ge=0, description="KIVI: most recent rows kept in full precision")
     prefill_chunk: int = Field(1024, ge=1, description="tokens per prefill forward pass")
     max_prompt_tokens: int = Field(16384, ge=1, description="most tokens one request may add")
     max_body_bytes: int = Field(4 << 20, ge=1024, description="largest request body")

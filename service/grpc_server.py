@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from kvsnap.errors import KvsnapError
+from kvsnap.errors import InvalidArgument, KvsnapError
 
 from .api import state_view
 from .grpc_stubs import pb2, pb2_grpc
@@ -36,7 +36,17 @@ def _settings(msg) -> dict:
         "kernel": msg.kernel or None,
         "pooling": msg.pooling or None,
         "recompress": msg.recompress or None,
+        "sinks": msg.sinks or None,
+        "history": msg.history or None,
+        "decode": _decode_settings(msg.decode) if msg.HasField("decode") else None,
     }
+
+
+def _decode_settings(msg) -> dict:
+    if not msg.policy:
+        raise InvalidArgument("decode settings must name their policy: h2o, scissorhands or streaming")
+    fields = {"budget": msg.budget, "window": msg.window, "sinks": msg.sinks, "history": msg.history}
+    return {"policy": msg.policy} | {k: v for k, v in fields.items() if v}
 
 
 def _sampling(msg) -> dict:

@@ -8,17 +8,34 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
+class DecodeSettings(BaseModel):
+    """A policy that evicts rows while a turn generates, paired with the session's prefill policy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["h2o", "scissorhands", "streaming"] = Field(..., description="the decode-time evictor")
+    budget: int | None = Field(None, description="rows kept besides the recent ones (h2o, scissorhands)")
+    window: int | None = Field(None, description="recent rows always kept")
+    sinks: int | None = Field(None, description="first rows always kept (streaming)")
+    history: int | None = Field(None, description="steps whose attention counts (scissorhands)")
+
+
 class Settings(BaseModel):
     """Per-session compression settings, applied when the session is created."""
 
     model_config = ConfigDict(extra="forbid")
 
-    policy: str | None = Field(None, description="full | snapkv | streaming (default: server's)")
-    budget: int | None = Field(None, description="prefix rows kept per KV head (snapkv)")
+    policy: str | None = Field(None, description="full | snapkv | streaming | h2o | scissorhands (default: server's)")
+    budget: int | None = Field(None, description="prefix rows kept per KV head (snapkv, h2o, scissorhands)")
     window: int | None = Field(None, description="observation window / recent tokens kept")
     kernel: int | None = Field(None, description="SnapKV pooling kernel, odd")
     pooling: Literal["max", "avg"] | None = None
     recompress: Literal["per_turn", "never", "reselect"] | None = None
+    sinks: int | None = Field(None, description="first rows always kept (streaming)")
+    history: int | None = Field(None, description="steps whose attention counts (scissorhands)")
+    decode: DecodeSettings | None = Field(
+        None, description="evict while decoding with this policy (h2o, scissorhands, streaming)"
+    )
 
 
 class SamplingFields(BaseModel):

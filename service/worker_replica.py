@@ -21,6 +21,7 @@ from kvsnap.actors.directory import SessionDirectory
 from kvsnap.actors.tiers import build_store
 from kvsnap.actors.worker import Worker
 from kvsnap.policies import make_policy
+from kvsnap.policies.kivi import parse_kivi
 
 from .config import ServiceConfig
 
@@ -37,7 +38,13 @@ class WorkerReplica:
         directory = SessionDirectory(redis_url, session_ttl_s=cfg.session_ttl_s)
         disk_dir = str(Path(cfg.data_dir) / "disk" / self.worker_id) if cfg.disk_tier_mib else None
         store = build_store(
-            cfg.device_tier_mib << 20, cfg.host_tier_mib << 20, cfg.disk_tier_mib << 20, disk_dir, device=loaded.device
+            cfg.device_tier_mib << 20,
+            cfg.host_tier_mib << 20,
+            cfg.disk_tier_mib << 20,
+            disk_dir,
+            device=loaded.device,
+            kivi=parse_kivi(cfg.kv_quant, cfg.kv_quant_group, cfg.kv_quant_residual),
+            kivi_device=cfg.kv_quant_device,
         )
         self.worker = Worker(engine, directory, store, self.worker_id)
         self.worker.start_heartbeat(interval_s=2.0)

@@ -262,6 +262,30 @@ HTTP_CASES = [
     ("budget 0", "post", "/v1/sessions", "key-alpha", {"document": DOC, "settings": {"budget": 0}}, 400),
     ("unknown policy", "post", "/v1/sessions", "key-alpha", {"document": DOC, "settings": {"policy": "h3o"}}, 400),
     ("window > prompt", "post", "/v1/sessions", "key-alpha", {"document": "tiny", "settings": {"window": 64}}, 400),
+    (
+        "decode policy that cannot evict",
+        "post",
+        "/v1/sessions",
+        "key-alpha",
+        {"document": DOC, "settings": {"decode": {"policy": "snapkv"}}},
+        400,
+    ),
+    (
+        "decode field of another policy",
+        "post",
+        "/v1/sessions",
+        "key-alpha",
+        {"document": DOC, "settings": {"decode": {"policy": "h2o", "history": 5}}},
+        400,
+    ),
+    (
+        "reselect with decode eviction",
+        "post",
+        "/v1/sessions",
+        "key-alpha",
+        {"document": DOC, "settings": {"policy": "h2o", "recompress": "reselect"}},
+        400,
+    ),
     ("empty document", "post", "/v1/sessions", "key-alpha", {"document": ""}, 400),
     ("bad session id", "post", "/v1/sessions", "key-alpha", {"session_id": "a/b", "document": DOC}, 400),
     ("max_tokens 0", "post", "/v1/sessions/err-held/turns", "key-alpha", {"message": "q", "max_tokens": 0}, 400),
@@ -320,6 +344,25 @@ GRPC_CASES = [
         "unknown policy",
         "CreateSession",
         lambda: pb2.CreateSessionRequest(document=DOC, settings=pb2.SessionSettings(policy="h3o")),
+        "key-alpha",
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "decode settings without a policy",
+        "CreateSession",
+        lambda: pb2.CreateSessionRequest(
+            document=DOC, settings=pb2.SessionSettings(decode=pb2.DecodeSettings(budget=4))
+        ),
+        "key-alpha",
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "reselect with decode eviction",
+        "CreateSession",
+        lambda: pb2.CreateSessionRequest(
+            document=DOC,
+            settings=pb2.SessionSettings(recompress="reselect", decode=pb2.DecodeSettings(policy="streaming")),
+        ),
         "key-alpha",
         "INVALID_ARGUMENT",
     ),
@@ -502,3 +545,29 @@ def test_reselect_session_reports_its_reselection_per_turn(service):
     # an ordinary SnapKV session re-selects from what it kept: no re-selection time
     assert create(service, "not-resel", {"policy": "snapkv", "budget": 16, "window": 8}).status_code == 201
     assert turn(service, "not-resel", QUESTIONS[0]).json()["timings"]["reselect_s"] == 0
+
+
+def test_decode_time_eviction_over_http_and_grpc_keeps_sessions_within_capacity(service):
+    """H2O while decoding over HTTP, StreamingLLM over gRPC: a long answer leaves each session
+    holding at most the evictor's capacity, and the session keeps going."""
+    settings = {"policy": "snapkv", "budget": 16, "window": 8, "decode": {"policy": "h2o", "budget": 6, "window": 4}}
+    assert create(service, "dec-http", settings).status_code == 201
+    for q in QUESTIONS[:2]:
+        answer = turn(service, "dec-http", q, max_tokens=40).json()
+        assert answer["completion_tokens"] > 10 + 1  # longer than the capacity: eviction had to run
+        assert answer["state"]["kept_len"] <= 6 + 4
+        assert "+decode:h2o(" in answer["state"]["policy"]
+
+    stub = grpc_stub(service)
+    decode = pb2.DecodeSettings(policy="streaming", window=6, sinks=2)
+    stub.CreateSession(
+        pb2.CreateSessionRequest(
+            session_id="dec-grpc",
+            document=DOC,
+            settings=pb2.SessionSettings(policy="snapkv", budget=16, window=8, decode=decode),
+        ),
+        metadata=md(),
+    )
+    chunks = list(stub.Turn(pb2.TurnRequest(session_id="dec-grpc", message=QUESTIONS[0]), metadata=md()))
+    done = chunks[-1]
+    assert done.done and done.state.kept_len <= 2 + 6 and "+decode:streaming(" in done.state.policy
