@@ -293,6 +293,15 @@ class Engine:
             with torch.inference_mode():
                 logits = self._decode_step(session)
 
+    @torch.inference_mode()
+    def force(self, session: Session, token: int) -> torch.Tensor:
+        """Append ``token`` as if it had been generated (teacher forcing: decode-time eviction
+        runs as in :meth:`decode_tokens`); returns the next-token logits [V]."""
+        if session.logical_len == 0 or session.pending:
+            raise InvalidArgument("force continues a prefilled session whose last token is in its cache")
+        session.transcript.append(token)
+        return self._decode_step(session)
+
     # -- checks and references -----------------------------------------------------------
     def _validate(self, session: Session, tokens: list[int], sampling: SamplingParams) -> None:
         if sampling is not None and not isinstance(sampling, SamplingParams):

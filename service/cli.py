@@ -24,20 +24,30 @@ from kvsnap.errors import InvalidArgument, KvsnapError
 
 
 def _add_policy_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", default="snapkv", help="compression policy: full, snapkv, streaming")
-    parser.add_argument("--budget", type=int, default=256, help="prefix rows kept per KV head (snapkv)")
+    parser.add_argument(
+        "--policy", default="snapkv", help="compression policy: full, snapkv, streaming, h2o, scissorhands"
+    )
+    parser.add_argument("--budget", type=int, default=256, help="prefix rows kept per KV head (snapkv, h2o, ...)")
     parser.add_argument("--window", type=int, default=32, help="observation window / recent tokens kept")
     parser.add_argument("--kernel", type=int, default=7, help="SnapKV pooling kernel (odd)")
     parser.add_argument("--pooling", default="max", choices=["max", "avg"])
     parser.add_argument("--recompress", default="per_turn", choices=["per_turn", "never", "reselect"])
+    parser.add_argument(
+        "--decode",
+        default=None,
+        metavar="POLICY:D",
+        help="also evict while decoding: h2o:D, scissorhands:D or streaming:D (at most D + window rows)",
+    )
 
 
 def _policy_from(args):
     from kvsnap.policies import make_policy
+    from kvsnap.service.api import POLICY_FIELDS
+    from kvsnap.service.quality import PolicySpec
 
-    params = {"window": args.window}
-    if args.policy == "snapkv":
-        params |= {"budget": args.budget, "kernel": args.kernel, "pooling": args.pooling}
+    params = {k: getattr(args, k) for k in POLICY_FIELDS.get(args.policy, ()) if hasattr(args, k)}
+    if args.decode:
+        params["decode"] = PolicySpec.parse(f"full+{args.decode}").settings(args.window)["decode"]
     return make_policy(args.policy, **params)
 
 
@@ -106,6 +116,7 @@ def cmd_serve(args) -> int:
         "grpc_port": args.grpc_port,
         "http_host": args.host,
         "data_dir": args.data_dir,
+        "kv_quant": args.kv_quant,
     }
     cfg, generated_key = ServiceConfig.from_env(**overrides).with_generated_key()
     redis_url, embedded = redis_url_or_embedded(Path(cfg.data_dir) / "redis")
@@ -260,7 +271,7 @@ def cmd_eval(args) -> int:
 
     from kvsnap.service import quality
 
-    fields = ("tasks", "lengths", "depths", "policies", "keys", "seeds", "window")
+    fields = ("tasks", "lengths", "depths", "policies", "keys", "seeds", "window", "gen_tokens")
     given = {k: v for k in fields if (v := getattr(args, k)) is not None}
     spec = quality.EvalSpec(**({**QUICK_EVAL, **given} if args.quick else given))
     if args.url:
@@ -293,7 +304,7 @@ def cmd_eval(args) -> int:
     paths = quality.save(scores, summary, meta, Path(args.out))
     print(f"{args.model}, {where}, {meta['elapsed_s']:.0f}s")
     print(quality.format_tables(summary))
-    print(f"\nwrote {paths['json']} and {paths['png']}")
+    print(f"\nwrote {' and '.join(str(p) for p in paths.values())}")
     if args.json:
         print(json.dumps(summary))
     return 0
@@ -386,6 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--http-port", type=int, default=None, help="default 8000")
     srv.add_argument("--grpc-port", type=int, default=None, help="default 9000; 0 disables gRPC")
     srv.add_argument("--data-dir", default=None, help="embedded Redis data and disk tier (default .kvsnap)")
+    srv.add_argument(
+        "--kv-quant",
+        default=None,
+        choices=["none", "kivi2", "kivi4"],
+        help="KIVI-quantize the host and disk tiers (default none; lossy, more sessions per GiB)",
+    )
     srv.set_defaults(func=cmd_serve)
 
     chat = sub.add_parser("chat", help="interactive multi-turn client against a running service")
@@ -398,12 +415,19 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.set_defaults(func=cmd_chat)
 
-    ev = sub.add_parser("eval", help="quality harness: pass-key, multi-key and multi-turn retrieval per policy")
+    ev = sub.add_parser(
+        "eval", help="quality harness: pass-key, multi-key and multi-turn retrieval, long generation, per policy"
+    )
     ev.add_argument("--model", default=None, help="model to run in-process (default gemma3-270m); with --url: its own")
     ev.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
     ev.add_argument("--url", default=None, help="evaluate a running service instead (its HTTP address)")
     ev.add_argument("--api-key", default=None, help="with --url (or KVSNAP_API_KEY)")
-    ev.add_argument("--tasks", type=_csv(str), default=None, help="passkey,multikey,multiturn (default all)")
+    ev.add_argument(
+        "--tasks",
+        type=_csv(str),
+        default=None,
+        help="passkey,multikey,multiturn (the default) and longgen (long generation, in-process only)",
+    )
     ev.add_argument("--lengths", type=_csv(int), default=None, help="document tokens (default 1024,2048,4096)")
     ev.add_argument("--depths", type=_csv(float), default=None, help="pass-key depths (default 0.1,0.5,0.9)")
     ev.add_argument(
@@ -411,11 +435,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_csv(str),
         default=None,
         help="default full,snapkv:128,snapkv:256,snapkv:512,streaming:256; also reselect:B "
-        "(SnapKV re-selecting from the full cache each turn); streaming:B holds as many rows as snapkv:B",
+        "(SnapKV re-selecting from the full cache each turn), h2o:B, scissorhands:B; +h2o:D, "
+        "+scissorhands:D or +streaming:D evict while decoding (e.g. snapkv:256+h2o:128); @kivi2 / @kivi4 "
+        "quantize the KV between turns. Each holds B (D) + window rows",
     )
     ev.add_argument("--keys", type=int, default=None, help="keys planted for multikey / multiturn (default 4)")
     ev.add_argument("--seeds", type=int, default=None, help="documents per length (default 2)")
     ev.add_argument("--window", type=int, default=None, help="observation window (default 32)")
+    ev.add_argument("--gen-tokens", type=int, default=None, help="longgen: tokens generated (default 256)")
     ev.add_argument("--quick", action="store_true", help="a small version: 1K tokens, 2 depths, 3 keys, 3 policies")
     ev.add_argument("--out", default="bench/results", help="folder for quality.json and quality.png")
     ev.add_argument("--json", action="store_true", help="also print the summary as one JSON line")

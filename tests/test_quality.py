@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -30,7 +31,7 @@ def test_multi_key_prompt_plants_every_key_in_depth_order():
 def test_cases_cover_every_task_length_depth_and_key():
     spec = quality.EvalSpec(lengths=(400, 800), depths=(0.2, 0.8), keys=3, seeds=2)
     cases = quality.build_cases(ByteTokenizer(), spec)
-    count = {t: sum(c.task == t for c in cases) for t in quality.TASKS}
+    count = {t: sum(c.task == t for c in cases) for t in quality.RETRIEVAL_TASKS}
     assert count == {"passkey": 2 * 2 * 2, "multikey": 2 * 2 * 3, "multiturn": 2 * 2}
     for c in cases:
         assert all(a in c.turns[0] for a in c.answers)  # the document (turn 1) holds every asked key
@@ -44,9 +45,47 @@ def test_bad_specs_are_rejected():
     for bad in (dict(tasks=("nope",)), dict(lengths=()), dict(depths=(1.5,)), dict(keys=1), dict(policies=("h2o",))):
         with pytest.raises(InvalidArgument):
             quality.EvalSpec(**bad)
-    for text in ("snapkv", "snapkv:0", "full:3", "streaming:x"):
+    for text in ("snapkv", "snapkv:0", "full:3", "streaming:x", "snapkv:8+snapkv:4", "h2o:8@kivi3", "full@kivi"):
         with pytest.raises(InvalidArgument):
             quality.PolicySpec.parse(text)
+    with pytest.raises(InvalidArgument, match="in-process only"):
+        spec = quality.EvalSpec(**TINY | {"tasks": ("longgen",)})
+        quality.evaluate(object(), quality.build_cases(ByteTokenizer(), spec), spec)
+
+
+def test_policy_specs_hold_like_for_like_rows():
+    """Every compressing spec keeps B + window rows after prefill; decoders cap at D + window."""
+    window = 8
+    for text in ("snapkv:64", "h2o:64", "scissorhands:64", "streaming:64", "reselect:64"):
+        policy, recompress, kivi = quality.PolicySpec.parse(text).build(window)
+        assert policy.prefix_budget(10_000) + policy.window == 64 + window, text
+        assert kivi is None and recompress == ("reselect" if text.startswith("reselect") else "per_turn")
+    for text in ("snapkv:64+h2o:16", "full+scissorhands:16", "h2o:64+streaming:16@kivi4"):
+        policy, _, kivi = quality.PolicySpec.parse(text).build(window)
+        assert policy.decoder().capacity() == 16 + window, text
+    assert kivi.bits == 4
+    assert quality.PolicySpec.parse("snapkv:64+h2o:16").settings(window)["decode"] == {
+        "policy": "h2o",
+        "budget": 16,
+        "window": window,
+    }
+
+
+def test_long_generation_scores_each_policy_against_full_kv(llama_engine):
+    policies = ("full", "snapkv:32", "snapkv:32+h2o:8", "scissorhands:32", "snapkv:32@kivi2")
+    spec = quality.EvalSpec(**TINY | {"tasks": ("longgen",), "gen_tokens": 48, "policies": policies})
+    cases = quality.build_cases(llama_engine.tokenizer, spec)
+    rows = {s.policy: s for s in quality.evaluate(quality.InProcess(llama_engine), cases, spec)}
+    full = rows["full"]
+    assert full.agreement == 1.0 and full.tokens > 0  # full KV reads its own greedy tokens back
+    assert rows["snapkv:32+h2o:8"].kept_len_max <= 8 + 8 < rows["snapkv:32"].kept_len_max
+    assert rows["scissorhands:32"].kept_len_max <= 32 + 8
+    assert rows["snapkv:32@kivi2"].kv_bytes < rows["snapkv:32"].kv_bytes < full.kv_bytes
+    assert all(0 <= r.agreement <= 1 and r.nll > 0 and r.decode_tok_s > 0 for r in rows.values())
+    summary = quality.summarize(list(rows.values()))
+    assert summary["longgen"]["full"]["perplexity"] == pytest.approx(math.exp(full.nll))
+    table = quality.format_tables(summary)
+    assert "longgen" in table and "snapkv:32+h2o:8" in table
 
 
 def test_in_process_eval_scores_what_the_model_answered(llama_engine, tmp_path):
@@ -58,7 +97,7 @@ def test_in_process_eval_scores_what_the_model_answered(llama_engine, tmp_path):
         assert s.correct == (s.answer in s.text) and s.latency_s > 0 and s.kv_bytes > 0
         assert s.kv_bytes <= s.full_kv_bytes
     summary = quality.summarize(scores)
-    assert set(summary) == set(quality.TASKS) and all(set(v) == set(spec.policies) for v in summary.values())
+    assert set(summary) == set(quality.RETRIEVAL_TASKS) and all(set(v) == set(spec.policies) for v in summary.values())
     kv = {p: summary["multiturn"][p]["kv_bytes_mean"] for p in spec.policies}
     assert kv["snapkv:64"] < kv["full"] and kv["streaming:64"] < kv["full"]
     assert list(summary["multiturn"]["full"]["per_turn"]) == ["1", "2"]
@@ -75,7 +114,7 @@ def test_in_process_eval_scores_what_the_model_answered(llama_engine, tmp_path):
 
 def test_service_backend_answers_like_the_engine(service):
     """Through /v1/completions with x-session-id the service answers what the engine answers."""
-    spec = quality.EvalSpec(**TINY | {"policies": ("full", "snapkv:64", "reselect:64")})
+    spec = quality.EvalSpec(**TINY | {"policies": ("full", "snapkv:64", "reselect:64", "snapkv:64+h2o:8")})
     engine = Engine(load_model("tiny-llama"))  # the replicas' prefill chunking
     cases = quality.build_cases(engine.tokenizer, spec)
     local = quality.evaluate(quality.InProcess(engine), cases, spec)
@@ -83,6 +122,8 @@ def test_service_backend_answers_like_the_engine(service):
     assert [(s.policy, s.turn, s.text) for s in remote] == [(s.policy, s.turn, s.text) for s in local]
     assert [s.context_tokens for s in remote] == [s.context_tokens for s in local]
     assert [s.kv_bytes for s in remote] == [s.kv_bytes for s in local]
+    with pytest.raises(InvalidArgument, match="per deployment"):
+        quality.OverHTTP(service.http, "key-alpha").run(cases[0], quality.PolicySpec.parse("full@kivi2"), 8)
 
 
 def test_kvsnap_eval_cli_writes_results(tmp_path, capsys):
