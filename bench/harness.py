@@ -39,6 +39,7 @@ def start_service(**overrides):
         max_ongoing_requests=4,
         max_queued_requests=64,
         max_new_tokens=64,
+        default_max_tokens=16,
         request_timeout_s=900,
         defaults=PolicyDefaults(budget=512, window=32),
     )

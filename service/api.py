@@ -360,6 +360,9 @@ class SessionAPI:
                             outcome = self._outcome(sid, ids, stop, event, len(tokens), started, first_token_at)
                             yield {"done": True, "outcome": outcome}
                 return
+            except (GeneratorExit, asyncio.CancelledError):
+                gen.cancel()  # the caller went away (client disconnect): stop the worker generating
+                raise
             except TimeoutError:
                 gen.cancel()
                 raise DeadlineExceeded(f"the request ran past {self.cfg.request_timeout_s:.0f} s") from None

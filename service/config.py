@@ -7,7 +7,7 @@ import os
 import secrets
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvsnap.errors import InvalidArgument
 
@@ -68,6 +68,15 @@ class ServiceConfig(BaseModel):
     )
     session_ttl_s: int = Field(24 * 3600, ge=1, description="idle sessions expire after this")
     defaults: PolicyDefaults = Field(default_factory=PolicyDefaults)
+
+    @model_validator(mode="after")
+    def _max_tokens_fit(self) -> ServiceConfig:
+        if self.default_max_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"default_max_tokens ({self.default_max_tokens}) must be <= max_new_tokens ({self.max_new_tokens}): "
+                "every request that names no max_tokens would be refused"
+            )
+        return self
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -246,7 +247,10 @@ async def _sse(events, shape, request: Request, done_marker: bool = False) -> St
         except KvsnapError as exc:
             yield f"data: {json.dumps(error_body(exc))}\n\n"
         finally:
-            await iterator.aclose()
+            # A client disconnect cancels this task; closing the event stream is what stops the
+            # worker generating, so it must run to the end even inside the cancelled scope.
+            with anyio.CancelScope(shield=True):
+                await iterator.aclose()
 
     return StreamingResponse(body(), media_type="text/event-stream")
 

@@ -4,12 +4,20 @@ Each method takes token ids (the ingress tokenizes and validates) and streams
 events: ``{"t": token_id}`` per generated token, then one ``{"done": True, ...}``
 with the report and the session's new state. Errors are kvsnap errors; they pickle
 across Ray and the ingress maps them to status codes.
+
+The streaming methods are async generators that pull each token from the engine in a
+thread: Ray Serve cancels an async method when its caller goes away (a client
+disconnect), and the cancellation closes the engine's stream between two tokens. A sync
+generator would keep generating to the end.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,6 +34,28 @@ from kvsnap.policies.kivi import parse_kivi
 from .config import ServiceConfig
 
 log = logging.getLogger(__name__)
+_END = object()
+
+
+async def _threaded(events: Iterator[dict]) -> AsyncIterator[dict]:
+    """``events`` (a sync generator doing model work) as an async generator, one item per thread
+    hop. When the consumer is cancelled or stops, the item in flight finishes and ``events`` is
+    closed: generation stops there and the worker commits what was generated."""
+    loop = asyncio.get_running_loop()
+    pending = None
+    try:
+        while True:
+            pending = loop.run_in_executor(None, next, events, _END)
+            item = await asyncio.shield(pending)  # a cancel must not abandon a running next()
+            pending = None
+            if item is _END:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                await pending
+        await loop.run_in_executor(None, events.close)
 
 
 class WorkerReplica:
@@ -61,7 +91,15 @@ class WorkerReplica:
             "ongoing": self.ongoing,
         }
 
-    def open(
+    async def open(self, *args):
+        async for event in _threaded(self._open_events(*args)):
+            yield event
+
+    async def turn(self, *args):
+        async for event in _threaded(self._turn_events(*args)):
+            yield event
+
+    def _open_events(
         self,
         tenant: str,
         session_id: str,
@@ -87,7 +125,7 @@ class WorkerReplica:
         )
         yield from self._events(tenant, session_id, stream)
 
-    def turn(
+    def _turn_events(
         self,
         tenant: str,
         session_id: str,
@@ -103,10 +141,10 @@ class WorkerReplica:
 
     # Non-streaming requests: the whole turn in one Ray round trip instead of one per token.
     def open_once(self, *args) -> list[dict]:
-        return list(self.open(*args))
+        return list(self._open_events(*args))
 
     def turn_once(self, *args) -> list[dict]:
-        return list(self.turn(*args))
+        return list(self._turn_events(*args))
 
     def state(self, tenant: str, session_id: str) -> dict:
         return asdict(self.worker.state(tenant, session_id))
