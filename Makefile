@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.kvsnap-installed
 TORCH   ?= torch==2.13.0
 ARGS    ?=
 
-.PHONY: install run generate test test-fast lint bench bench-suite eval load proto clean cluster-up cluster-deploy cluster-status cluster-dashboard cluster-down
+.PHONY: install run generate test test-fast lint bench bench-suite reliability eval load proto clean cluster-up cluster-deploy cluster-status cluster-dashboard cluster-down
 
 install: $(STAMP)
 
@@ -39,6 +39,9 @@ bench: $(STAMP)  ## engine benchmark on the embedded model (minutes on 2 CPU cor
 
 bench-suite: $(STAMP)  ## load tests vs a local service: resume, concurrency, routing gains + quality (long)
 	$(BIN)/python bench/suite.py $(ARGS)
+
+reliability: $(STAMP)  ## faults, overload, fuzzing against a local service, long form (ARGS=--quick: the CI one)
+	$(BIN)/python bench/reliability.py $(ARGS)
 
 eval: $(STAMP)  ## quality harness on the embedded model, small version (ARGS="" for the full one)
 	$(BIN)/kvsnap eval $(or $(ARGS),--quick)

@@ -370,7 +370,7 @@ def phase_tenants(client: Client, grpc_addr: str, sessions: Sessions, rec: Recor
 
 def phase_fuzz_http(client: Client, out_dir: Path, examples: int, rec: Recorder) -> None:
     """schemathesis over every operation of the OpenAPI schema; the only check: no 5xx."""
-    report = out_dir / "schemathesis-junit.xml"
+    report = (out_dir / "schemathesis-junit.xml").resolve()
     cmd = [
         str(Path(sys.executable).with_name("schemathesis")),
         "run",
@@ -402,7 +402,9 @@ def phase_fuzz_http(client: Client, out_dir: Path, examples: int, rec: Recorder)
         "none",
     ]
     t0 = time.perf_counter()
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False, cwd=out_dir)
+    scratch = tempfile.mkdtemp(prefix="kvsnap-schemathesis-")  # its caches land in the working directory
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False, cwd=scratch)
+    shutil.rmtree(scratch, ignore_errors=True)
     elapsed = time.perf_counter() - t0
     text = run.stdout + run.stderr
     cases = sum(int(n) for n in re.findall(r"(\d+) generated", text)) or None

@@ -248,7 +248,8 @@ class InProcess:
             policy, recompress, kivi = spec.build(window)
             session = self.engine.new_session(policy, recompress=recompress)
             logits = self.engine.prefill(session, prompt)
-            stored = round_trip(self.engine, session, kivi) if kivi else 0
+            if kivi:
+                round_trip(self.engine, session, kivi)  # the document resumed from a quantized tier
             agree, nll, decode_s, most = 0, 0.0, 0.0, 0
             for token in reference:
                 agree += int(logits.argmax()) == token
@@ -264,13 +265,21 @@ class InProcess:
                     "agreement": agree / max(1, len(reference)),
                     "nll": nll / max(1, len(reference)),
                     "decode_tok_s": len(reference) / decode_s if decode_s else 0.0,
-                    "kv_bytes": stored or session.kv_bytes,
+                    "kv_bytes": packed_bytes(session, kivi) if kivi else session.kv_bytes,  # at the end
                     "full_kv_bytes": session.full_kv_bytes,
                     "kept_len_max": most,
                     "logical_len": session.logical_len,
                 }
             )
         return out
+
+
+def packed_bytes(session, kivi) -> int:
+    """Bytes a KIVI-quantized tier would hold for the session's KV as it is now."""
+    from kvsnap.actors.cache import export_kv
+
+    parts, _ = kivi.pack(export_kv(session.cache))
+    return sum(p.numel() * p.element_size() for p in parts)
 
 
 def round_trip(engine, session, kivi) -> int:
