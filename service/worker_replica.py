@@ -5,10 +5,10 @@ events: ``{"t": token_id}`` per generated token, then one ``{"done": True, ...}`
 with the report and the session's new state. Errors are kvsnap errors; they pickle
 across Ray and the ingress maps them to status codes.
 
-The streaming methods are async generators that pull each token from the engine in a
-thread: Ray Serve cancels an async method when its caller goes away (a client
-disconnect), and the cancellation closes the engine's stream between two tokens. A sync
-generator would keep generating to the end.
+The streaming methods are async generators fed by one thread per turn: Ray Serve
+cancels an async method when its caller goes away (a client disconnect), and the
+cancellation stops the thread between two tokens. A sync generator method would keep
+generating to the end.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -38,24 +39,47 @@ _END = object()
 
 
 async def _threaded(events: Iterator[dict]) -> AsyncIterator[dict]:
-    """``events`` (a sync generator doing model work) as an async generator, one item per thread
-    hop. When the consumer is cancelled or stops, the item in flight finishes and ``events`` is
-    closed: generation stops there and the worker commits what was generated."""
+    """``events`` (a sync generator doing model work) as an async generator.
+
+    One thread per turn iterates ``events`` from start to end (the worker takes its locks in
+    that generator, so every step and the close must run on the same thread) and hands each
+    item over. When the consumer is cancelled or stops (client gone), the thread stops after
+    the token in flight and closes ``events``: the worker commits what was generated."""
     loop = asyncio.get_running_loop()
-    pending = None
+    queue: asyncio.Queue = asyncio.Queue()
+    stop = threading.Event()
+
+    def hand_over(item, error=None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone: the replica is shutting down
+            loop.call_soon_threadsafe(queue.put_nowait, (item, error))
+
+    def produce() -> None:
+        error = None
+        try:
+            for item in events:
+                hand_over(item)
+                if stop.is_set():
+                    break
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            error = exc
+        finally:
+            try:
+                events.close()
+            except BaseException as exc:  # noqa: BLE001
+                error = error or exc
+            hand_over(_END, error)  # always: the consumer must never wait forever
+
+    threading.Thread(target=produce, name="kvsnap-turn", daemon=True).start()
     try:
         while True:
-            pending = loop.run_in_executor(None, next, events, _END)
-            item = await asyncio.shield(pending)  # a cancel must not abandon a running next()
-            pending = None
+            item, error = await queue.get()
+            if error is not None:
+                raise error
             if item is _END:
                 return
             yield item
     finally:
-        if pending is not None:
-            with contextlib.suppress(Exception):
-                await pending
-        await loop.run_in_executor(None, events.close)
+        stop.set()
 
 
 class WorkerReplica:
