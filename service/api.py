@@ -332,6 +332,9 @@ class SessionAPI:
         emitted = ""
         deadline = time.monotonic() + self.cfg.request_timeout_s
         retry_until = time.monotonic() + min(RETRY_WINDOW_S, self.cfg.request_timeout_s)
+        # a turn is retried only if it was not committed: a replica can die after its commit and
+        # before its answer arrives, and a second attempt would apply the turn twice
+        before = await self._entry_or_none(tenant, sid) if method == "turn" else None
         for attempt in itertools.count():
             got_event = False
             try:
@@ -369,11 +372,26 @@ class SessionAPI:
             except Exception as exc:  # noqa: BLE001 - mapped below
                 error = as_kvsnap_error(exc)
                 retry = not got_event and (isinstance(exc, RETRYABLE) or "draining" in str(error))
+                if retry and before is not None:
+                    now = await self._entry_or_none(tenant, sid)
+                    if now is None or now.version != before.version:  # committed, or cannot tell
+                        raise Unavailable(
+                            "the replica failed during this turn and the turn may have been applied (its answer "
+                            "was lost); read the session (GET) before sending it again"
+                        ) from None
                 if retry and time.monotonic() < retry_until:
                     log.warning("%s of %s failed before any output (%s); retrying", method, key, error)
                     await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
                     continue
                 raise error from None
+
+    async def _entry_or_none(self, tenant: str, sid: str):
+        """The session's directory entry; None when there is none or Redis cannot be reached
+        (a held session's turns go on while Redis is down)."""
+        try:
+            return await asyncio.to_thread(self.directory.get, tenant, sid)
+        except Unavailable:
+            return None
 
     def _outcome(self, sid, ids, stop, event, prompt_tokens, started, first_token_at) -> TurnOutcome:
         full = self.tokenizer.decode(ids, skip_special_tokens=True)
