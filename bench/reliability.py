@@ -767,22 +767,19 @@ def _wait_for_replicas(count: int, timeout_s: float = 120) -> None:
 
 
 def start(data_dir: Path):
+    """Redis (this script's own, to crash and wipe), local Ray and the app, via the bench harness."""
     import ray
-    from ray import serve
+    from harness import start_service
 
-    from kvsnap.actors.redis_server import EmbeddedRedis, free_port
-    from kvsnap.service.app import APP_NAME, build_app
-    from kvsnap.service.config import ServiceConfig
+    from kvsnap.actors.redis_server import EmbeddedRedis
 
     redis = EmbeddedRedis(data_dir / "redis").start()
-    cfg = ServiceConfig(
-        model="tiny-llama",
-        replicas=2,
-        cpus_per_replica=1,
-        http_port=free_port(),
-        grpc_port=free_port(),
-        api_keys={KEY_A: "alpha", KEY_B: "beta"},
+    ray.init(num_cpus=3, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    cfg = start_service(
+        redis_url=redis.url,
         data_dir=str(data_dir),
+        model="tiny-llama",
+        api_keys={KEY_A: "alpha", KEY_B: "beta"},
         device_tier_mib=1,
         host_tier_mib=1,
         disk_tier_mib=64,
@@ -795,18 +792,7 @@ def start(data_dir: Path):
         overload_queue_len=2,
         request_timeout_s=REQUEST_TIMEOUT_S,
     )
-    ray.init(num_cpus=3, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": cfg.http_port})
-    serve.run(build_app(cfg, redis.url), name=APP_NAME, route_prefix="/")
-    deadline = time.time() + 180
-    while True:
-        try:
-            if requests.get(f"http://127.0.0.1:{cfg.http_port}/health", timeout=2).ok:
-                return cfg, redis
-        except requests.ConnectionError:
-            if time.time() > deadline:
-                raise
-        time.sleep(0.5)
+    return cfg, redis
 
 
 def main(argv: list[str] | None = None) -> int:
