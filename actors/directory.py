@@ -116,6 +116,7 @@ class SessionEntry:
     last_used: float = 0.0
     version: int = 0
     log_len: int = 0  # tokens in the token log
+    last_turn: str = ""  # the caller's id of the last committed turn ("" when it gave none)
 
     @classmethod
     def from_hash(cls, tenant: str, session_id: str, raw: dict[bytes, bytes]) -> SessionEntry:

@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvsnap.errors import Conflict, NotFound, Unavailable
 from kvsnap.policies import Policy, policy_from_json, policy_to_json
@@ -36,6 +37,16 @@ from .session import Session
 from .tiers import KVBlob, TieredStore, blob_from_bytes, blob_to_bytes
 
 log = logging.getLogger(__name__)
+
+
+class TurnRecord(NamedTuple):
+    """What a turn writes besides its tokens: messages for the message log, the role its answer
+    is logged under (None: not logged), and the caller's id for the turn (stored as the entry's
+    ``last_turn``, so a caller whose answer was lost can tell whether the turn was applied)."""
+
+    messages: list[dict]
+    answer_role: str | None
+    turn_id: str = ""
 
 
 @dataclass(slots=True)
@@ -112,7 +123,7 @@ class Worker:
             if self.directory.get(tenant, session_id) is not None:
                 raise Conflict(f"session {session_id!r} already exists")
             self.directory.create(entry, [])  # version 1, empty log: the first commit carries the tokens
-        return self._wrap(key, entry, session, stream, "new", (log_messages or [], answer_role))
+        return self._wrap(key, entry, session, stream, "new", TurnRecord(log_messages or [], answer_role))
 
     def turn_stream(
         self,
@@ -122,7 +133,9 @@ class Worker:
         sampling: SamplingParams,
         log_messages: list[dict] | None = None,
         answer_role: str | None = None,
+        turn_id: str = "",
     ) -> TurnStream:
+        """``turn_id`` (the caller's, optional) is stored with the commit as the entry's ``last_turn``."""
         key = self._key(tenant, session_id)
         with self._claim(key):
             if self.draining:
@@ -130,7 +143,7 @@ class Worker:
             entry = self._entry(tenant, session_id, key)
             session, source = self._load(key, entry)
             stream = self.engine.stream(session, tokens, sampling)
-        return self._wrap(key, entry, session, stream, source, (log_messages or [], answer_role))
+        return self._wrap(key, entry, session, stream, source, TurnRecord(log_messages or [], answer_role, turn_id))
 
     def messages(self, tenant: str, session_id: str) -> list[dict]:
         """The session's message log; this worker's copy while Redis is down."""
@@ -296,11 +309,11 @@ class Worker:
         session: Session,
         stream: TurnStream,
         source: str,
-        msglog: tuple[list[dict], str | None],
+        record: TurnRecord,
     ) -> TurnStream:
         """Run ``stream`` under the worker lock and commit when it ends (also when closed early)."""
         out = TurnStream(finish_reason=stream.finish_reason, source=source)
-        out.tokens = self._run(key, entry, session, stream, out, msglog)
+        out.tokens = self._run(key, entry, session, stream, out, record)
         return out
 
     def _run(
@@ -310,13 +323,13 @@ class Worker:
         session: Session,
         stream: TurnStream,
         out: TurnStream,
-        msglog: tuple[list[dict], str | None],
+        record: TurnRecord,
     ) -> Iterator[int]:
         with self._claim(key), self._lock:
             try:
                 yield from stream
             except GeneratorExit:  # the client went away: keep what was generated
-                self._finish(key, entry, session, stream, out, msglog)
+                self._finish(key, entry, session, stream, out, record)
                 raise
             except BaseException:  # the turn broke half way: its KV is not trusted, the log is
                 self._discard(key)
@@ -324,7 +337,7 @@ class Worker:
                 if out.source == "new":
                     self.directory.delete(entry.tenant, entry.session_id)
                 raise
-            self._finish(key, entry, session, stream, out, msglog)
+            self._finish(key, entry, session, stream, out, record)
 
     def _finish(
         self,
@@ -333,20 +346,20 @@ class Worker:
         session: Session,
         stream: TurnStream,
         out: TurnStream,
-        msglog: tuple[list[dict], str | None],
+        record: TurnRecord,
     ) -> None:
         out.finish_reason, out.report = stream.finish_reason, stream.report
-        messages, answer_role = msglog
+        messages, answer_role = record.messages, record.answer_role
         if answer_role:
             generated = session.transcript[len(session.transcript) - out.report.generated_tokens :]
             messages = [*messages, {"role": answer_role, "content": self.engine.decode(generated)}]
-        self._commit(key, entry, session, messages)
+        self._commit(key, entry, session, messages, record.turn_id)
 
-    def _commit(self, key: str, entry: SessionEntry, session: Session, messages: list[dict]) -> None:
+    def _commit(self, key: str, entry: SessionEntry, session: Session, messages: list[dict], turn_id: str = "") -> None:
         expected = entry.version
         logged = entry.log_len
         updated = _copy(entry)
-        updated.owner, updated.epoch = self.worker_id, self.epoch
+        updated.owner, updated.epoch, updated.last_turn = self.worker_id, self.epoch, turn_id
         updated.logical_len, updated.kept_len = session.logical_len, session.kept_len
         updated.kv_bytes, updated.turns = session.kv_bytes, session.turns
         blob = KVBlob(export_kv(session.cache), session.logical_len, version=expected + 1)

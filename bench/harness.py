@@ -10,6 +10,7 @@ every phase has its own local Ray, embedded Redis and Serve app and nothing carr
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,12 @@ import time
 from pathlib import Path
 
 import requests
+
+from kvsnap.service.config import ray_environment
+
+# The Ray Serve data path `kvsnap serve` uses, set before anything imports Ray (Serve reads it at
+# import, in this process too); a phase process started with these variables set keeps its own.
+ray_environment()
 
 KEY = "bench-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -77,10 +84,14 @@ def in_own_ray(phase, *args, num_cpus: int = 2, **service):
         redis.stop()
 
 
-def run_phase_process(script: str, phase: str, argv: list[str], timeout_s: float = 3600) -> dict:
-    """``python script --phase phase *argv`` in a child process; its RESULT line, parsed."""
+def run_phase_process(
+    script: str, phase: str, argv: list[str], timeout_s: float = 3600, env: dict[str, str] | None = None
+) -> dict:
+    """``python script --phase phase *argv`` in a child process (with ``env`` added to this
+    process's environment); its RESULT line, parsed."""
     cmd = [sys.executable, script, "--phase", phase, *argv]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout_s)
+    child_env = {**os.environ, **(env or {})}
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout_s, env=child_env)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         raise SystemExit(f"phase {phase} failed (rc {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")

@@ -55,7 +55,11 @@ from pathlib import Path
 
 import requests
 
-from kvsnap.service.ingress import OPEN_PATHS
+from kvsnap.service.config import ray_environment
+
+ray_environment()  # the Ray Serve data path `kvsnap serve` uses, set before Ray is imported
+
+from kvsnap.service.ingress import OPEN_PATHS  # noqa: E402
 
 QUICK = dict(
     sessions=20, turns_kill=3, kill_every_s=6.0, kill_duration_s=25, redis_down_s=4, fuzz_examples=5, grpc_cases=160

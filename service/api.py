@@ -318,7 +318,9 @@ class SessionAPI:
     async def _stream(
         self, method: str, tenant: str, sid: str, protocol: str, tokens: list[int], *args, streaming: bool = True
     ):
-        """Events from the worker: {"t": id, "text": delta} per token, then {"done": ..., "outcome": ...}.
+        """Events from the worker: {"text": delta, "ids": [token ids]} for the tokens that came in
+        one batch (one token while the model is slow, several when it outpaces the hop back),
+        then {"done": ..., "outcome": ...}.
 
         ``streaming=False`` fetches the whole turn in one call (one Ray round trip instead of
         one per token). A replica that dies before the first event is retried (the router
@@ -329,12 +331,16 @@ class SessionAPI:
         started = time.perf_counter()
         first_token_at = None
         ids: list[int] = []
+        unsent: list[int] = []  # token ids not yet sent with a text delta
         emitted = ""
         deadline = time.monotonic() + self.cfg.request_timeout_s
         retry_until = time.monotonic() + min(RETRY_WINDOW_S, self.cfg.request_timeout_s)
         # a turn is retried only if it was not committed: a replica can die after its commit and
-        # before its answer arrives, and a second attempt would apply the turn twice
-        before = await self._entry_or_none(tenant, sid) if method == "turn" else None
+        # before its answer arrives, and a second attempt would apply the turn twice. The commit
+        # stores the turn's id (the entry's last_turn); only a failure costs a directory read.
+        turn_id = uuid.uuid4().hex if method == "turn" else ""
+        if turn_id:
+            args = (*args, turn_id)
         for attempt in itertools.count():
             got_event = False
             try:
@@ -346,21 +352,23 @@ class SessionAPI:
                         tenant, sid, tokens, *args
                     )
                 async with asyncio.timeout(max(0.01, deadline - time.monotonic())):
-                    async for event in gen if streaming else _aiter(await gen):
+                    async for batch in gen if streaming else _aiter([await gen]):
                         got_event = True
-                        if "t" in event:
-                            ids.append(event["t"])
+                        new_ids = [event["t"] for event in batch if "t" in event]
+                        if new_ids:
+                            ids += new_ids
+                            unsent += new_ids
                             if first_token_at is None:
                                 first_token_at = time.perf_counter()
                                 self.metrics.ttft.labels(protocol).observe(first_token_at - started)
                             text = cut_at_stop(self.tokenizer.decode(ids, skip_special_tokens=True), stop)
-                            if text.endswith("\ufffd"):
-                                continue  # an incomplete UTF-8 character: wait for the next token
-                            delta, emitted = text[len(emitted) :], text
-                            if delta:
-                                yield {"text": delta, "t": event["t"]}
-                        else:
-                            outcome = self._outcome(sid, ids, stop, event, len(tokens), started, first_token_at)
+                            # an incomplete UTF-8 character at the end waits for the next token
+                            if not text.endswith("\ufffd") and len(text) > len(emitted):
+                                delta, emitted = text[len(emitted) :], text
+                                yield {"text": delta, "ids": unsent}
+                                unsent = []
+                        if "done" in batch[-1]:
+                            outcome = self._outcome(sid, ids, stop, batch[-1], len(tokens), started, first_token_at)
                             yield {"done": True, "outcome": outcome}
                 return
             except (GeneratorExit, asyncio.CancelledError):
@@ -372,9 +380,9 @@ class SessionAPI:
             except Exception as exc:  # noqa: BLE001 - mapped below
                 error = as_kvsnap_error(exc)
                 retry = not got_event and (isinstance(exc, RETRYABLE) or "draining" in str(error))
-                if retry and before is not None:
+                if retry and turn_id:
                     now = await self._entry_or_none(tenant, sid)
-                    if now is None or now.version != before.version:  # committed, or cannot tell
+                    if now is None or now.last_turn == turn_id:  # cannot tell, or committed
                         raise Unavailable(
                             "the replica failed during this turn and the turn may have been applied (its answer "
                             "was lost); read the session (GET) before sending it again"

@@ -107,7 +107,7 @@ def cmd_serve(args) -> int:
     from pathlib import Path
 
     from kvsnap.actors.redis_server import redis_url_or_embedded
-    from kvsnap.service.config import ServiceConfig
+    from kvsnap.service.config import ServiceConfig, ray_environment
 
     overrides = {
         "model": args.model,
@@ -121,6 +121,7 @@ def cmd_serve(args) -> int:
     cfg, generated_key = ServiceConfig.from_env(**overrides).with_generated_key()
     redis_url, embedded = redis_url_or_embedded(Path(cfg.data_dir) / "redis")
     print(f"redis: {'embedded at ' + redis_url if embedded else 'KVSNAP_REDIS_URL'}", flush=True)
+    ray_environment(cfg.fast_path)  # before Ray is imported
     try:
         import ray
         from ray import serve

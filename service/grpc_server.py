@@ -1,5 +1,5 @@
 """The gRPC server of the ingress replica: ``proto/kvsnap.proto`` with reflection and the
-standard health service, on its own event loop thread, sharing :class:`SessionAPI`.
+standard health service, on the replica's event loop, sharing :class:`SessionAPI`.
 
 (Ray Serve's own gRPC proxy offers neither reflection nor the standard health
 service, and maps exceptions to codes coarsely; running grpc.aio here keeps the
@@ -8,9 +8,7 @@ status codes identical to the HTTP ones.)
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -103,7 +101,7 @@ class KvsnapServicer(pb2_grpc.KvsnapServicer):
             )
             async for event in events:
                 if "text" in event:
-                    yield pb2.TurnChunk(text=event["text"], token_ids=[event["t"]])
+                    yield pb2.TurnChunk(text=event["text"], token_ids=event["ids"])
                 else:
                     o = event["outcome"]
                     yield pb2.TurnChunk(
@@ -193,57 +191,22 @@ def kvsnap_handlers(servicer: KvsnapServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
-class GrpcServer:
-    """grpc.aio server on a daemon thread with its own event loop."""
-
-    def __init__(self, ingress, address: str):
-        self.address = address
-        self.loop = asyncio.new_event_loop()
-        self.server = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(ingress,), name="kvsnap-grpc", daemon=True)
-
-    def _run(self, ingress) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_until_complete(self._start(ingress))
-        except BaseException as exc:  # port taken, ...
-            self._error = exc
-            self._ready.set()
-            return
-        self._ready.set()
-        self.loop.run_forever()
-
-    async def _start(self, ingress) -> None:
-        limit = ingress.cfg.max_body_bytes
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
-        self.server.add_generic_rpc_handlers((kvsnap_handlers(KvsnapServicer(ingress)),))
-        health = HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health, self.server)
-        await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        await health.set("", health_pb2.HealthCheckResponse.SERVING)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server,
-        )
-        if not self.server.add_insecure_port(self.address):
-            raise OSError(f"cannot bind gRPC to {self.address}")
-        await self.server.start()
-        log.info("gRPC serving on %s", self.address)
-
-    def start(self) -> GrpcServer:
-        self.thread.start()
-        self._ready.wait(30)
-        if self._error is not None:
-            raise self._error
-        return self
-
-    def stop(self) -> None:
-        if self.server is not None and self.loop.is_running():
-            asyncio.run_coroutine_threadsafe(self.server.stop(grace=1), self.loop).result(5)
-            self.loop.call_soon_threadsafe(self.loop.stop)
-
-
-def start_grpc_server(ingress, address: str) -> GrpcServer:
-    return GrpcServer(ingress, address).start()
+async def start_grpc_server(ingress, address: str) -> grpc.aio.Server:
+    """Serve ``proto/kvsnap.proto`` (plus health and reflection) on ``address``, on the calling
+    event loop: the ingress replica's own, so a handler calls the worker handle from the loop
+    it belongs to (no hop to another thread per request)."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", ingress.cfg.max_body_bytes)])
+    server.add_generic_rpc_handlers((kvsnap_handlers(KvsnapServicer(ingress)),))
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    if not server.add_insecure_port(address):
+        raise OSError(f"cannot bind gRPC to {address}")
+    await server.start()
+    log.info("gRPC serving on %s", address)
+    return server

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from starlette.datastructures import Headers
 
 from kvsnap.actors.directory import SessionDirectory
 from kvsnap.actors.models import tokenizer_for
@@ -82,24 +83,75 @@ async def _validation_error(request: Request, exc: RequestValidationError):
     return error_response(InvalidArgument(problems or "invalid request"))
 
 
-@app.middleware("http")
-async def _edge(request: Request, call_next):
-    """Auth and body size, before anything else runs; one request counter for all routes."""
-    ingress: Ingress = _current()
-    route = request.url.path.removeprefix(request.scope.get("root_path", ""))
-    try:
-        if route not in OPEN_PATHS:
-            request.state.tenant = tenant_for(ingress.cfg.api_keys, request.headers.get("authorization"))
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > ingress.cfg.max_body_bytes:
-            raise PayloadTooLarge(f"request body of {declared} bytes; the limit is {ingress.cfg.max_body_bytes}")
-        if request.method in ("POST", "PUT") and len(await request.body()) > ingress.cfg.max_body_bytes:
-            raise PayloadTooLarge(f"request body over {ingress.cfg.max_body_bytes} bytes")
-        response = await call_next(request)
-    except KvsnapError as exc:
-        response = error_response(exc)
-    ingress.metrics.requests.labels(_route_label(route), str(response.status_code)).inc()
-    return response
+class Edge:
+    """Auth and body size, before anything else runs; one request counter for all routes.
+
+    Plain ASGI rather than ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware runs
+    every request through an extra task and memory streams, which costs about a millisecond
+    a request on a small CPU (docs/BENCHMARKS.md, "Service overhead")."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        ingress: Ingress = _current()
+        route = scope["path"].removeprefix(scope.get("root_path", ""))
+        status = 500  # unless a response starts
+
+        async def send_counted(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            try:
+                headers = Headers(scope=scope)
+                if route not in OPEN_PATHS:
+                    tenant = tenant_for(ingress.cfg.api_keys, headers.get("authorization"))
+                    scope.setdefault("state", {})["tenant"] = tenant  # request.state.tenant
+                limit = ingress.cfg.max_body_bytes
+                declared = headers.get("content-length")
+                if declared and declared.isdigit() and int(declared) > limit:
+                    raise PayloadTooLarge(f"request body of {declared} bytes; the limit is {limit}")
+                if scope["method"] in ("POST", "PUT"):
+                    receive = await _read_body(receive, limit)
+            except KvsnapError as exc:
+                await error_response(exc)(scope, receive, send_counted)
+                return
+            await self.app(scope, receive, send_counted)
+        finally:
+            ingress.metrics.requests.labels(_route_label(route), str(status)).inc()
+
+
+async def _read_body(receive, limit: int):
+    """Read the whole body (PayloadTooLarge past ``limit`` bytes, however it is sent); returns a
+    ``receive`` that hands it to the app, then passes on what comes after (a disconnect)."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client left before sending it all
+            first = message
+            break
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit:
+            raise PayloadTooLarge(f"request body over {limit} bytes")
+        if not message.get("more_body", False):
+            first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            break
+    pending = [first]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
+app.add_middleware(Edge)
 
 
 def _route_label(path: str) -> str:
@@ -323,7 +375,7 @@ async def _openai(events, request: Request, sid: str | None, chat: bool, stream:
 # -- the deployment ----------------------------------------------------------------------------
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, workers, config: dict, redis_url: str):
+    async def __init__(self, workers, config: dict, redis_url: str):
         self.cfg = ServiceConfig(**config)
         self.directory = SessionDirectory(redis_url, session_ttl_s=self.cfg.session_ttl_s)
         self.metrics = Metrics(loads=self.directory.loads)
@@ -336,11 +388,12 @@ class Ingress:
         if self.cfg.grpc_port:
             from .grpc_server import start_grpc_server
 
-            self.grpc = start_grpc_server(self, f"{self.cfg.http_host}:{self.cfg.grpc_port}")
+            self.grpc = await start_grpc_server(self, f"{self.cfg.http_host}:{self.cfg.grpc_port}")
 
-    def __del__(self):
-        if getattr(self, "grpc", None) is not None:
-            self.grpc.stop()
+    async def __del__(self):  # Serve awaits it at shutdown
+        server, self.grpc = getattr(self, "grpc", None), None
+        if server is not None:
+            await server.stop(grace=1)
 
 
 __all__ = ["Ingress", "app", "tenant_for"]

@@ -1,7 +1,7 @@
 """The worker deployment: one Ray Serve replica = one model + its session tiers.
 
 Each method takes token ids (the ingress tokenizes and validates) and streams
-events: ``{"t": token_id}`` per generated token, then one ``{"done": True, ...}``
+lists of events: ``{"t": token_id}`` per generated token, then one ``{"done": True, ...}``
 with the report and the session's new state. Errors are kvsnap errors; they pickle
 across Ray and the ingress maps them to status codes.
 
@@ -38,13 +38,16 @@ log = logging.getLogger(__name__)
 _END = object()
 
 
-async def _threaded(events: Iterator[dict]) -> AsyncIterator[dict]:
-    """``events`` (a sync generator doing model work) as an async generator.
+async def _threaded(events: Iterator[dict]) -> AsyncIterator[list[dict]]:
+    """``events`` (a sync generator doing model work) as an async generator of batches.
 
     One thread per turn iterates ``events`` from start to end (the worker takes its locks in
     that generator, so every step and the close must run on the same thread) and hands each
-    item over. When the consumer is cancelled or stops (client gone), the thread stops after
-    the token in flight and closes ``events``: the worker commits what was generated."""
+    item over. Each batch is every item that is ready when the consumer asks: one token while
+    the model is slower than the hop back to the ingress (the first token never waits), several
+    when it is faster, so a fast model does not pay one Ray round trip per token. When the
+    consumer is cancelled or stops (client gone), the thread stops after the token in flight
+    and closes ``events``: the worker commits what was generated."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     stop = threading.Event()
@@ -72,12 +75,16 @@ async def _threaded(events: Iterator[dict]) -> AsyncIterator[dict]:
     threading.Thread(target=produce, name="kvsnap-turn", daemon=True).start()
     try:
         while True:
-            item, error = await queue.get()
-            if error is not None:
-                raise error
-            if item is _END:
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            items = [item for item, _ in batch if item is not _END]
+            if items:
+                yield items
+            if batch[-1][0] is _END:  # the end always comes last, with the error if there was one
+                if batch[-1][1] is not None:
+                    raise batch[-1][1]
                 return
-            yield item
     finally:
         stop.set()
 
@@ -116,12 +123,12 @@ class WorkerReplica:
         }
 
     async def open(self, *args):
-        async for event in _threaded(self._open_events(*args)):
-            yield event
+        async for batch in _threaded(self._open_events(*args)):
+            yield batch
 
     async def turn(self, *args):
-        async for event in _threaded(self._turn_events(*args)):
-            yield event
+        async for batch in _threaded(self._turn_events(*args)):
+            yield batch
 
     def _open_events(
         self,
@@ -157,9 +164,16 @@ class WorkerReplica:
         sampling: dict,
         log_messages: list[dict],
         answer_role: str | None,
+        turn_id: str = "",
     ):
         stream = self.worker.turn_stream(
-            tenant, session_id, tokens, SamplingParams(**sampling), log_messages=log_messages, answer_role=answer_role
+            tenant,
+            session_id,
+            tokens,
+            SamplingParams(**sampling),
+            log_messages=log_messages,
+            answer_role=answer_role,
+            turn_id=turn_id,
         )
         yield from self._events(tenant, session_id, stream)
 

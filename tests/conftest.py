@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+from kvsnap.service.config import ray_environment
 
-from kvsnap.actors import Engine, load_model
+ray_environment()  # the Ray Serve data path `kvsnap serve` uses; set before any test module imports Ray
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kvsnap.actors import Engine, load_model  # noqa: E402
 
 
 @pytest.fixture(scope="session", params=["tiny-llama", "tiny-gemma3"])

@@ -37,6 +37,18 @@ def test_cluster_config_passes_rays_own_validation():
     assert "InstanceMarketOptions" not in head  # the head (Redis, controller) is on demand
 
 
+def test_every_cluster_node_starts_ray_with_the_local_data_path():
+    from kvsnap.service.config import FAST_PATH_ENV
+
+    config = yaml.safe_load((CLUSTER / "aws.yaml").read_text())
+    switches = [k for k in FAST_PATH_ENV if "DRAINING" not in k]  # clusters keep Serve's drain period
+    assert switches
+    for commands in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
+        start = next(c for c in commands if "ray start" in c)
+        exported = start[: start.index("ray start")]
+        assert all(f"{k}={FAST_PATH_ENV[k]}" in exported for k in switches), start
+
+
 def test_cluster_config_rejects_a_broken_one():
     from ray.autoscaler._private.util import prepare_config, validate_config
 
