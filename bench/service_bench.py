@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import requests
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from harness import HEADERS, KEY, emit, in_own_ray, run_phase_process
 
 from kvsnap.actors import Engine, SamplingParams, load_model
@@ -33,7 +34,8 @@ from kvsnap.service.template import encode_messages
 def overhead(cfg, model: str, reps: int) -> dict:
     http = f"http://127.0.0.1:{cfg.http_port}"
     client = requests.Session()  # one keep-alive connection, as an SDK client keeps it
-    stub = pb2_grpc.KvsnapStub(grpc.insecure_channel(f"127.0.0.1:{cfg.grpc_port}"))
+    channel = grpc.insecure_channel(f"127.0.0.1:{cfg.grpc_port}")
+    stub, health = pb2_grpc.KvsnapStub(channel), health_pb2_grpc.HealthStub(channel)
     md = [("authorization", f"Bearer {KEY}")]
     doc = FILLER * 8
     torch.set_num_threads(1)  # like one replica
@@ -50,23 +52,27 @@ def overhead(cfg, model: str, reps: int) -> dict:
         metadata=md,
     )
     question = encode_messages(engine.tokenizer, [{"role": "user", "content": "Next?"}], False)
-    times = {"in_process": [], "http": [], "grpc": []}
-    for _ in range(reps):  # interleaved
-        t0 = time.perf_counter()
-        engine.turn(local, question, SamplingParams(max_new_tokens=4))
-        times["in_process"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        client.post(
+    calls = {  # interleaved, in this order, each timed alone
+        "in_process": lambda: engine.turn(local, question, SamplingParams(max_new_tokens=4)),
+        "http": lambda: client.post(
             f"{http}/v1/sessions/o-http/turns", headers=HEADERS, json={"message": "Next?", "max_tokens": 4}
-        ).raise_for_status()
-        times["http"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        list(
+        ).raise_for_status(),
+        "grpc": lambda: list(
             stub.Turn(
                 pb2.TurnRequest(session_id="o-grpc", message="Next?", sampling=pb2.Sampling(max_tokens=4)), metadata=md
             )
-        )
-        times["grpc"].append(time.perf_counter() - t0)
+        ),
+        # the front door alone: proxy + the ingress's HTTP app / gRPC server, no worker, no Redis
+        "http_health": lambda: client.get(f"{http}/health").raise_for_status(),
+        "grpc_health": lambda: health.Check(health_pb2.HealthCheckRequest(service="")),
+    }
+    times = {k: [] for k in calls}
+    for _ in range(reps):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t0)
+    channel.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "median_s": med,

@@ -7,8 +7,8 @@ Phases (each in its own process with its own local Ray, embedded Redis and Serve
 - concurrency:  the most sessions of --context tokens held resident in a --device-mib device
                 tier (one replica) before the first demotion, SnapKV (--budget) vs full KV;
                 then the load generator at that many users: turns/s, p99 TTFT, rebuilds.
-- routing:      the load generator with --users sessions of --routing-context tokens on 2
-                replicas, cache-affinity routing vs round-robin.
+- routing:      the load generator with --users sessions of --routing-context tokens on
+                --routing-replicas replicas (2), cache-affinity routing vs round-robin.
 - quality:      ``kvsnap eval`` (in-process): pass-key, multi-key, multi-turn per policy.
 
 Prints a table per phase, writes suite.json + suite.png (and quality.json + quality.png)
@@ -44,6 +44,7 @@ SMALL = dict(
     max_sessions=40,
     users=6,
     routing_context=1024,
+    routing_replicas=2,
     turns=2,
 )
 FULL = dict(
@@ -56,6 +57,7 @@ FULL = dict(
     max_sessions=24,
     users=16,
     routing_context=2048,
+    routing_replicas=2,
     turns=3,
 )
 
@@ -203,7 +205,15 @@ def child(args) -> dict:
         )
     if name == "routing":
         return in_own_ray(
-            routing_phase, args.model, args.users, args.routing_context, args.turns, model=args.model, routing=variant
+            routing_phase,
+            args.model,
+            args.users,
+            args.routing_context,
+            args.turns,
+            model=args.model,
+            routing=variant,
+            replicas=args.routing_replicas,
+            cpus_per_replica=min(1.0, 2 / args.routing_replicas),  # the local Ray has 2 CPUs
         )
     raise SystemExit(f"unknown phase {args.phase}")
 
@@ -234,7 +244,10 @@ def print_tables(r: dict, args) -> None:
         print(f"gain: {c['gain']:.2f}x sessions")
     if "routing" in r:
         g = r["routing"]
-        shape = f"{args.users} users x {args.turns} follow-ups, {args.routing_context} tokens"
+        shape = (
+            f"{args.users} users x {args.turns} follow-ups, {args.routing_context} tokens, "
+            f"{args.routing_replicas} replicas"
+        )
         print(f"\nrouting gain ({args.model}, {shape})")
         for name in ("affinity", "round_robin"):
             v = g[name]
