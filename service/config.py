@@ -70,7 +70,7 @@ class ServiceConfig(BaseModel):
     fast_path: bool = Field(
         True,
         description="a local Ray started by kvsnap uses Ray Serve's HAProxy ingress and throughput-optimized "
-        "data path (service/app.py FAST_PATH_ENV); false: Serve's standard Python proxy",
+        "data path (FAST_PATH_ENV below); false: Serve's standard Python proxy",
     )
     session_ttl_s: int = Field(24 * 3600, ge=1, description="idle sessions expire after this")
     defaults: PolicyDefaults = Field(default_factory=PolicyDefaults)

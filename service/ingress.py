@@ -87,8 +87,8 @@ class Edge:
     """Auth and body size, before anything else runs; one request counter for all routes.
 
     Plain ASGI rather than ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware runs
-    every request through an extra task and memory streams, which costs about a millisecond
-    a request on a small CPU (docs/BENCHMARKS.md, "Service overhead")."""
+    every request through an extra task and memory streams (docs/BENCHMARKS.md, "Service
+    overhead")."""
 
     def __init__(self, app):
         self.app = app

@@ -320,6 +320,28 @@ def test_http_errors(service, held_session, case):
     assert (after.version, after.log_len) == (before.version, before.log_len)  # nothing stored changed
 
 
+def test_chunked_body_is_limited_like_a_declared_one(service, held_session):
+    """A body sent without Content-Length (chunked) is counted as it arrives: over the limit is
+    413 before any model work; under it the request goes through unchanged."""
+    headers = {**service.headers("key-alpha"), "Content-Type": "application/json"}
+    url = f"{service.http}/v1/sessions/{held_session}/turns"
+    before = entry(service, held_session)
+
+    def chunked(payload: bytes):
+        yield from (payload[i : i + 4096] for i in range(0, len(payload), 4096))
+
+    big = json.dumps({"message": "x" * 70_000, "max_tokens": 1}).encode()
+    response = requests.post(url, headers=headers, data=chunked(big))
+    assert response.request.headers.get("Transfer-Encoding") == "chunked"
+    assert response.status_code == 413, response.text
+    assert "request body over" in response.json()["error"]["message"]  # the edge's limit, not the token limit
+    assert entry(service, held_session).version == before.version
+    small = json.dumps({"message": "Next?", "max_tokens": 2}).encode()
+    response = requests.post(url, headers=headers, data=chunked(small))
+    assert response.status_code == 200, response.text
+    assert response.json()["state"]["version"] == before.version + 1
+
+
 def test_other_tenants_session_reads_like_a_missing_one(service, held_session):
     theirs = requests.get(f"{service.http}/v1/sessions/{held_session}", headers=service.headers("key-beta"))
     missing = requests.get(f"{service.http}/v1/sessions/never-was", headers=service.headers("key-beta"))
