@@ -59,6 +59,7 @@ from kvsnap.service.config import ray_environment
 
 ray_environment()  # the Ray Serve data path `kvsnap serve` uses, set before Ray is imported
 
+from kvsnap.service.app import wait_for_workers  # noqa: E402
 from kvsnap.service.ingress import OPEN_PATHS  # noqa: E402
 
 QUICK = dict(
@@ -671,7 +672,7 @@ def phase_kill(
     statuses = Counter(s for s, _ in rec.calls["kill"])
     bad = {s: n for s, n in statuses.items() if s not in ("200", "429", "503")}
     rec.check(not bad, f"kill: turns failed with non-retryable statuses {bad}")
-    _wait_for_replicas(2)
+    rec.check(wait_for_workers(2), "kill: the worker replicas did not all come back within 120 s")
     rec.figures["kill"]["replicas_killed"] = len(kills)
     verify_all(client, sessions, "kill-verify", rec, patience_s=90)
 
@@ -757,17 +758,6 @@ def _running_replicas() -> int:
     from ray import serve
 
     return serve.status().applications["kvsnap"].deployments["Worker"].replica_states.get("RUNNING", 0)
-
-
-def _wait_for_replicas(count: int, timeout_s: float = 120) -> None:
-    from ray import serve
-
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        status = serve.status().applications["kvsnap"].deployments["Worker"]
-        if status.status == "HEALTHY" and status.replica_states.get("RUNNING", 0) == count:
-            return
-        time.sleep(0.5)
 
 
 def start(data_dir: Path):

@@ -3,6 +3,8 @@ requests go through the cache-affinity router."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -58,3 +60,15 @@ def app_builder(args: dict):
     if not cfg.api_keys:
         raise ValueError("a Serve config deployment needs api_keys (or KVSNAP_API_KEYS)")
     return build_app(cfg, cfg.redis_url)
+
+
+def wait_for_workers(count: int, timeout_s: float = 120) -> bool:
+    """True once Serve runs ``count`` healthy worker replicas of the app (after a start, a
+    replica kill or a drain); False if they are not back within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = serve.status().applications[APP_NAME].deployments["Worker"]
+        if status.status == "HEALTHY" and status.replica_states.get("RUNNING", 0) == count:
+            return True
+        time.sleep(0.5)
+    return False

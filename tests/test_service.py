@@ -25,6 +25,7 @@ from kvsnap.errors import (
     Unauthenticated,
     Unavailable,
 )
+from kvsnap.service import app
 from kvsnap.service.config import ServiceConfig
 from kvsnap.service.grpc_stubs import pb2, pb2_grpc
 from kvsnap.service.status import grpc_status, http_status
@@ -85,15 +86,7 @@ def kill_replica(worker_id: str) -> None:
 
 def wait_for_workers(count: int = 2, timeout_s: float = 90) -> None:
     """Until Serve runs ``count`` healthy worker replicas again (after a kill or a drain)."""
-    from ray import serve
-
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        status = serve.status().applications["kvsnap"].deployments["Worker"]
-        if status.status == "HEALTHY" and status.replica_states.get("RUNNING", 0) == count:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"worker replicas did not recover: {status}")
+    assert app.wait_for_workers(count, timeout_s), f"worker replicas did not recover within {timeout_s} s"
 
 
 def grpc_stub(service):
