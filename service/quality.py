@@ -276,21 +276,25 @@ class InProcess:
 
 def packed_bytes(session, kivi) -> int:
     """Bytes a KIVI-quantized tier would hold for the session's KV as it is now."""
-    from kvsnap.actors.cache import export_kv
-
-    parts, _ = kivi.pack(export_kv(session.cache))
-    return sum(p.numel() * p.element_size() for p in parts)
+    return _at_rest(session).packed(kivi).nbytes
 
 
 def round_trip(engine, session, kivi) -> int:
     """Put the session's KV through a KIVI-quantized tier and back (what a resumed session gets);
     returns the bytes the tier held."""
-    from kvsnap.actors.cache import export_kv, import_kv
-    from kvsnap.policies.kivi import unpack
+    from kvsnap.actors.cache import import_kv
 
-    parts, layout = kivi.pack(export_kv(session.cache))
-    session.cache = import_kv(engine.model.config, unpack(parts, layout), session.logical_len)
-    return sum(p.numel() * p.element_size() for p in parts)
+    packed = _at_rest(session).packed(kivi)  # what the tier stores (actors/tiers.py)
+    session.cache = import_kv(engine.model.config, packed.unpacked().tensors, session.logical_len)
+    return packed.nbytes
+
+
+def _at_rest(session):
+    """The session's KV as a tier blob."""
+    from kvsnap.actors.cache import export_kv
+    from kvsnap.actors.tiers import KVBlob
+
+    return KVBlob(export_kv(session.cache), session.logical_len, version=0)
 
 
 class OverHTTP:
