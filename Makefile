@@ -63,8 +63,10 @@ CLUSTER ?= cluster/aws.yaml
 
 cluster-up: $(STAMP)
 	@test -n "$$KVSNAP_API_KEYS" || (echo "export KVSNAP_API_KEYS=key:tenant,... first" && false)
-	@mkdir -p ~/.kvsnap && umask 077 && echo "KVSNAP_API_KEYS=$$KVSNAP_API_KEYS" > ~/.kvsnap/cluster.env \
-		&& echo "$$KVSNAP_API_KEYS" | cut -d, -f1 | cut -d: -f1 > ~/.kvsnap/cluster.key
+	@test -n "$$KVSNAP_ADMIN_KEYS" || (echo "export KVSNAP_ADMIN_KEYS=adminkey first (the spot watcher drains with it)" && false)
+	@mkdir -p ~/.kvsnap && umask 077 \
+		&& printf 'KVSNAP_API_KEYS=%s\nKVSNAP_ADMIN_KEYS=%s\n' "$$KVSNAP_API_KEYS" "$$KVSNAP_ADMIN_KEYS" > ~/.kvsnap/cluster.env \
+		&& echo "$$KVSNAP_ADMIN_KEYS" | cut -d, -f1 > ~/.kvsnap/cluster.key
 	$(BIN)/ray up -y $(CLUSTER)
 
 cluster-deploy: $(STAMP)

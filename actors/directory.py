@@ -8,7 +8,9 @@ Lua script together with the append to the token log, so a turn's metadata and
 its tokens land together or not at all.
 
 The token log (prompt turns and generated tokens, packed uint32 chunks in a Redis
-list) is what makes a lost KV recoverable: the session is rebuilt by re-prefilling it.
+list) and the turn marks beside it (each turn's prompt / generated token counts and
+KV length, a JSON chunk per commit) are what make a lost KV recoverable: the session
+is rebuilt by replaying its turns, each prefilled and compressed as it ran.
 
 Every call has a short socket timeout; a dead Redis raises ``Unavailable`` within
 about two seconds, never hangs.
@@ -27,23 +29,26 @@ import redis
 
 from kvsnap.errors import Conflict, InvalidArgument, NotFound, Unavailable
 
+from .session import TurnMark
+
 ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
-# KEYS: 1 entry hash, 2 token log, 3 message log.  Every script re-applies the TTL to all three.
+# KEYS: 1 entry hash, 2 token log, 3 message log, 4 turn marks.  Every script re-applies the TTL to all four.
 _TTL = """
-for i = 1, 3 do
+for i = 1, 4 do
   if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('EXPIRE', KEYS[i], ARGV[1]) end
 end
 """
 
-# ARGV: ttl, token chunk, message chunk, field/value pairs...
+# ARGV: ttl, token chunk, message chunk, marks chunk, field/value pairs...
 _CREATE = (
     """
 if redis.call('EXISTS', KEYS[1]) == 1 then return -2 end
-redis.call('DEL', KEYS[2], KEYS[3])
-if ARGV[2] ~= '' then redis.call('RPUSH', KEYS[2], ARGV[2]) end
-if ARGV[3] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[3]) end
-redis.call('HSET', KEYS[1], 'version', 1, unpack(ARGV, 4))
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+for i = 2, 4 do
+  if ARGV[i] ~= '' then redis.call('RPUSH', KEYS[i], ARGV[i]) end
+end
+redis.call('HSET', KEYS[1], 'version', 1, unpack(ARGV, 5))
 """
     + _TTL
     + """
@@ -51,16 +56,17 @@ return 1
 """
 )
 
-# ARGV: ttl, expected version, token chunk, message chunk, field/value pairs...
+# ARGV: ttl, expected version, token chunk, message chunk, marks chunk, field/value pairs...
 _COMMIT = (
     """
 local v = redis.call('HGET', KEYS[1], 'version')
 if not v then return -1 end
 if tonumber(v) ~= tonumber(ARGV[2]) then return -2 end
-if ARGV[3] ~= '' then redis.call('RPUSH', KEYS[2], ARGV[3]) end
-if ARGV[4] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[4]) end
+for i = 2, 4 do
+  if ARGV[i + 1] ~= '' then redis.call('RPUSH', KEYS[i], ARGV[i + 1]) end
+end
 local nv = tonumber(v) + 1
-redis.call('HSET', KEYS[1], 'version', nv, unpack(ARGV, 5))
+redis.call('HSET', KEYS[1], 'version', nv, unpack(ARGV, 6))
 """
     + _TTL
     + """
@@ -70,15 +76,16 @@ return nv
 
 # Re-register a session a worker holds: write it back when the entry is gone (Redis
 # restarted empty) or older than the worker's copy (turns served while Redis was down).
-# ARGV: ttl, version, whole token log, whole message log, field/value pairs...
+# ARGV: ttl, version, whole token log, whole message log, all marks, field/value pairs...
 _RESTORE = (
     """
 local v = redis.call('HGET', KEYS[1], 'version')
 if v and tonumber(v) >= tonumber(ARGV[2]) then return 0 end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
-if ARGV[3] ~= '' then redis.call('RPUSH', KEYS[2], ARGV[3]) end
-if ARGV[4] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[4]) end
-redis.call('HSET', KEYS[1], 'version', ARGV[2], unpack(ARGV, 5))
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
+for i = 2, 4 do
+  if ARGV[i + 1] ~= '' then redis.call('RPUSH', KEYS[i], ARGV[i + 1]) end
+end
+redis.call('HSET', KEYS[1], 'version', ARGV[2], unpack(ARGV, 6))
 """
     + _TTL
     + """
@@ -162,6 +169,10 @@ def _pack_messages(messages: list[dict] | None) -> str:
     return json.dumps(messages) if messages else ""
 
 
+def _pack_marks(marks: list[TurnMark] | None) -> str:
+    return json.dumps([m.to_list() for m in marks]) if marks else ""
+
+
 def check_id(kind: str, value: str) -> str:
     if not isinstance(value, str) or not ID_PATTERN.match(value):
         raise InvalidArgument(f"{kind} must be 1-128 characters of A-Z a-z 0-9 . _ : -, got {value!r}")
@@ -211,12 +222,16 @@ class SessionDirectory:
         suffix = f":{part}" if part else ""
         return f"{self.prefix}:x:{check_id('tenant', tenant)}:{check_id('session id', session_id)}{suffix}"
 
+    def marks_key(self, tenant: str, session_id: str) -> str:
+        return f"{self.prefix}:n:{check_id('tenant', tenant)}:{check_id('session id', session_id)}"
+
     def session_keys(self, tenant: str, session_id: str) -> list[str]:
         """Every key a session owns (TTL applies to all of them; a short-lived KV export may join them)."""
         return [
             self.session_key(tenant, session_id),
             self.log_key(tenant, session_id),
             self.messages_key(tenant, session_id),
+            self.marks_key(tenant, session_id),
         ]
 
     # -- calls ---------------------------------------------------------------------------
@@ -233,7 +248,13 @@ class SessionDirectory:
     def ping(self) -> bool:
         return bool(self._call(self.client.ping))
 
-    def create(self, entry: SessionEntry, tokens: list[int], messages: list[dict] | None = None) -> SessionEntry:
+    def create(
+        self,
+        entry: SessionEntry,
+        tokens: list[int],
+        messages: list[dict] | None = None,
+        marks: list[TurnMark] | None = None,
+    ) -> SessionEntry:
         """Register a new session at version 1 with its first tokens; Conflict if the id is taken."""
         now = time.time()
         entry.created = entry.created or now
@@ -243,7 +264,13 @@ class SessionDirectory:
         result = self._call(
             self._create,
             keys=keys,
-            args=[self.session_ttl_s, pack_tokens(tokens), _pack_messages(messages), *entry.fields_flat()],
+            args=[
+                self.session_ttl_s,
+                pack_tokens(tokens),
+                _pack_messages(messages),
+                _pack_marks(marks),
+                *entry.fields_flat(),
+            ],
         )
         if result == -2:
             raise Conflict(f"session {entry.session_id!r} already exists")
@@ -263,13 +290,23 @@ class SessionDirectory:
     def tokens(self, tenant: str, session_id: str) -> list[int]:
         return unpack_tokens(self._call(self.client.lrange, self.log_key(tenant, session_id), 0, -1))
 
+    def marks(self, tenant: str, session_id: str) -> list[TurnMark]:
+        """The session's turn marks, oldest first (empty for a log written before they existed)."""
+        chunks = self._call(self.client.lrange, self.marks_key(tenant, session_id), 0, -1)
+        return [TurnMark.from_list(m) for chunk in chunks for m in json.loads(chunk)]
+
     def messages(self, tenant: str, session_id: str) -> list[dict]:
         """The session's message log (what the HTTP / OpenAI APIs sent and answered), oldest first."""
         chunks = self._call(self.client.lrange, self.messages_key(tenant, session_id), 0, -1)
         return [m for chunk in chunks for m in json.loads(chunk)]
 
     def commit(
-        self, entry: SessionEntry, expected_version: int, new_tokens: list[int], new_messages: list[dict] | None = None
+        self,
+        entry: SessionEntry,
+        expected_version: int,
+        new_tokens: list[int],
+        new_messages: list[dict] | None = None,
+        new_marks: list[TurnMark] | None = None,
     ) -> SessionEntry:
         """Compare-and-set: write ``entry`` and append ``new_tokens`` iff the stored version is
         ``expected_version``. Raises Conflict when another writer got there first, NotFound when gone."""
@@ -283,6 +320,7 @@ class SessionDirectory:
                 expected_version,
                 pack_tokens(new_tokens),
                 _pack_messages(new_messages),
+                _pack_marks(new_marks),
                 *entry.fields_flat(),
             ],
         )
@@ -296,7 +334,13 @@ class SessionDirectory:
         entry.version = int(result)
         return entry
 
-    def restore(self, entry: SessionEntry, tokens: list[int], messages: list[dict] | None = None) -> bool:
+    def restore(
+        self,
+        entry: SessionEntry,
+        tokens: list[int],
+        messages: list[dict] | None = None,
+        marks: list[TurnMark] | None = None,
+    ) -> bool:
         """Write back a session a worker holds if Redis lost it or has an older version. True if written."""
         entry.log_len = len(tokens)
         written = self._call(
@@ -307,6 +351,7 @@ class SessionDirectory:
                 entry.version,
                 pack_tokens(tokens),
                 _pack_messages(messages),
+                _pack_marks(marks),
                 *entry.fields_flat(),
             ],
         )
@@ -349,6 +394,10 @@ class SessionDirectory:
         values = self._call(self.client.mget, keys) if keys else []
         prefix = len(f"{self.prefix}:load:")
         return {k.decode()[prefix:]: json.loads(v) for k, v in zip(keys, values, strict=True) if v}
+
+    def worker_known(self, worker_id: str) -> bool:
+        """True while ``worker_id`` has a live heartbeat (any incarnation)."""
+        return bool(self._call(self.client.exists, f"{self.prefix}:w:{check_id('worker id', worker_id)}"))
 
     def worker_alive(self, worker_id: str, epoch: int) -> bool:
         value = self._call(self.client.get, f"{self.prefix}:w:{check_id('worker id', worker_id)}")

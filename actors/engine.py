@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +27,7 @@ from .cache import CompressedLayer, full_layer_indices, new_session_cache
 from .capture import WindowCapture
 from .models import LoadedModel
 from .sampling import SamplingParams, sample_next
-from .session import Session, TurnReport
+from .session import Session, TurnMark, TurnReport, marks_cover
 
 
 @dataclass(slots=True)
@@ -47,13 +47,17 @@ class TurnStream:
     finish_reason: str = "length"
     report: TurnReport | None = None
     source: str = ""  # set by a worker: where the KV came from (device / host / disk / rebuilt / new)
+    on_close: Callable[[], None] | None = None  # set by a worker: give the session back (idempotent)
 
     def __iter__(self) -> Iterator[int]:
         return self.tokens
 
     def close(self) -> None:
-        """Stop generating (the client went away); the session stays consistent."""
+        """Stop generating (the client went away); the session stays consistent. A stream that
+        is never iterated must be closed, so that its session is free for the next turn."""
         self.tokens.close()
+        if self.on_close is not None:
+            self.on_close()
 
 
 @dataclass(slots=True)
@@ -116,6 +120,7 @@ class Engine:
         started = time.perf_counter()
         timer = _Timer()
         prompt_tokens = len(session.pending) + len(tokens)
+        mark = TurnMark(len(tokens), 0, 0, reselected=_has_full_copy(session))
         logits = self.prefill(session, tokens, timer)
         generated = 0
         ttft = 0.0
@@ -128,6 +133,8 @@ class Engine:
                 yield token
         finally:
             session.turns += 1
+            mark.generated, mark.logical_len = generated, session.logical_len
+            session.marks.append(mark)
             out.report = TurnReport(
                 prompt_tokens=prompt_tokens,
                 generated_tokens=generated,
@@ -322,19 +329,47 @@ class Engine:
                 "tokens); lower `window` or send a longer prompt"
             )
 
-    def rebuild(self, session: Session, transcript: list[int], logical_len: int) -> None:
-        """Recreate a lost KV from the token log: prefill the first ``logical_len`` tokens in one
-        pass with the session's policy; the rest stay pending, as they were."""
+    def rebuild(
+        self, session: Session, transcript: list[int], logical_len: int, marks: list[TurnMark] | None = None
+    ) -> None:
+        """Recreate a lost KV from the token log. With the turns' ``marks`` (the normal case) it
+        replays history: each turn's prefill and compression, then its generated tokens fed back
+        as they were decoded (decode-time eviction included), so the cache equals the lost one.
+        Without them (a log written before marks existed) it prefills the first ``logical_len``
+        tokens in one pass; the rest stay pending, as they were."""
         if not 0 < logical_len <= len(transcript) or session.logical_len:
             raise InvalidArgument("rebuild needs an empty session and 0 < logical_len <= len(transcript)")
+        if marks and marks_cover(marks, len(transcript)) and marks[-1].logical_len == logical_len:
+            self._replay(session, transcript, marks)
+            return
         self.prefill(session, transcript[:logical_len])
         session.transcript.extend(transcript[logical_len:])
+
+    @torch.inference_mode()
+    def _replay(self, session: Session, transcript: list[int], marks: list[TurnMark]) -> None:
+        start = 0
+        for mark in marks:
+            if session.recompress == "reselect" and not mark.reselected:
+                session.full_kv = None  # this turn ran as plain SnapKV: its full copy was gone
+            prompt_end = start + mark.prompt
+            self.prefill(session, transcript[start:prompt_end])
+            for token in transcript[prompt_end : prompt_end + mark.generated]:
+                session.transcript.append(token)
+                if session.logical_len < mark.logical_len:
+                    self._decode_step(session)  # as decode_tokens fed it back
+            start = prompt_end + mark.generated
+            session.marks.append(mark)
 
     @torch.inference_mode()
     def reference_logits(self, tokens: list[int]) -> torch.Tensor:
         """Next-token logits of one uncached forward pass over ``tokens`` (the exactness oracle)."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         return self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+
+
+def _has_full_copy(session: Session) -> bool:
+    """Whether this turn re-selects from a full copy (always true but for a reselect session that lost it)."""
+    return session.recompress != "reselect" or session.logical_len == 0 or session.full_kv is not None
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

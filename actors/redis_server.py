@@ -46,7 +46,8 @@ class EmbeddedRedis:
     """Start / stop a redis-server process bound to 127.0.0.1 with its data in ``data_dir``."""
 
     def __init__(self, data_dir: str | os.PathLike, port: int | None = None):
-        self.data_dir = Path(data_dir)
+        # absolute: redis-server changes into --dir before it opens its log file
+        self.data_dir = Path(data_dir).expanduser().resolve()
         self.port = port or free_port()
         self.process: subprocess.Popen | None = None
 

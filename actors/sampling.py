@@ -45,6 +45,12 @@ class SamplingParams:
         return torch.Generator().manual_seed(self.seed)
 
 
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    """``text`` up to the first stop string in it (all of it when none occurs)."""
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[: min(cuts)] if cuts else text
+
+
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick the next token from ``logits`` ([V])."""
     if params.temperature == 0:

@@ -31,6 +31,34 @@ def check_recompress(policy: Policy, recompress: str) -> None:
 
 
 @dataclass(slots=True)
+class TurnMark:
+    """Where one turn sits in the session's token log, so that a rebuild replays it as it ran.
+
+    A compressed session's cache depends on where each turn's compression happened (its
+    observation window is that turn's tail), so the log keeps each turn's boundaries: the
+    tokens it prefilled, the tokens it generated, and how many tokens its KV held at its end
+    (the last generated token is pending unless the turn ended on EOS)."""
+
+    prompt: int  # tokens the turn added before generating (prefilled after the pending ones)
+    generated: int  # tokens it generated, right after its prompt in the log
+    logical_len: int  # tokens in the KV when the turn ended
+    reselected: bool = True  # recompress="reselect": selected from a full copy (False: it had none)
+
+    def to_list(self) -> list[int]:
+        return [self.prompt, self.generated, self.logical_len, int(self.reselected)]
+
+    @classmethod
+    def from_list(cls, values: list[int]) -> TurnMark:
+        prompt, generated, logical_len, reselected = (int(v) for v in values)
+        return cls(prompt, generated, logical_len, bool(reselected))
+
+
+def marks_cover(marks: list[TurnMark], transcript_len: int) -> bool:
+    """True when ``marks`` account for every token of a transcript of that length."""
+    return bool(marks) and sum(m.prompt + m.generated for m in marks) == transcript_len
+
+
+@dataclass(slots=True)
 class TurnReport:
     """What one turn cost and what it left behind."""
 
@@ -69,6 +97,7 @@ class Session:
     logical_len: int = 0
     turns: int = 0
     reports: list[TurnReport] = field(default_factory=list)
+    marks: list[TurnMark] = field(default_factory=list)  # one per turn: the replay plan of a rebuild
     # recompress="reselect": every row of each full-attention layer (index -> keys, values, each
     # [1, H_kv, full_len, D]) in host memory; None = no full copy (plain SnapKV per turn)
     full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None

@@ -39,13 +39,16 @@ class KVBlob:
     """One session's KV at rest: ``[k_0, v_0, k_1, v_1, ...]`` plus the lengths to rebuild the cache.
 
     A KIVI-packed blob has ``layout`` (one entry per original tensor) and its ``tensors`` are
-    the packed parts; :meth:`unpacked` gives the dequantized tensors back."""
+    the packed parts; :meth:`unpacked` gives the dequantized tensors back. An ``exact`` blob is
+    never quantized, whatever the tier's KIVI settings (a re-selection session's full copy: its
+    rows are scored and copied back every turn, so they stay at full precision)."""
 
     tensors: list[torch.Tensor]
     logical_len: int
     version: int  # the directory version this KV belongs to
     checksum: str = ""
     layout: list[dict] | None = None
+    exact: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -65,7 +68,7 @@ class KVBlob:
         moved = [t.to(device) for t in self.tensors]
         if pin:
             moved = [t.pin_memory() for t in moved]
-        return KVBlob(moved, self.logical_len, self.version, self.checksum, self.layout)
+        return KVBlob(moved, self.logical_len, self.version, self.checksum, self.layout, self.exact)
 
     def packed(self, kivi: KIVI) -> KVBlob:
         parts, layout = kivi.pack(self.tensors)
@@ -95,6 +98,8 @@ def blob_to_bytes(blob: KVBlob) -> bytes:
     }
     if blob.layout is not None:
         meta["layout"] = json.dumps(blob.layout)
+    if blob.exact:
+        meta["exact"] = "1"
     return save(tensors, metadata=meta)
 
 
@@ -110,6 +115,7 @@ def blob_from_bytes(data: bytes) -> KVBlob:
             int(meta["version"]),
             meta["checksum"],
             json.loads(meta["layout"]) if "layout" in meta else None,
+            meta.get("exact") == "1",
         )
     except Exception as exc:
         raise ValueError(f"unreadable KV blob: {exc}") from exc
@@ -139,10 +145,11 @@ class Tier:
         return key in self.sizes
 
     def put(self, key: str, blob: KVBlob) -> None:
-        if not blob.packed_by(self.kivi):
+        kivi = None if blob.exact else self.kivi
+        if not blob.packed_by(kivi):
             blob = blob.unpacked()
-            if self.kivi is not None:
-                blob = blob.packed(self.kivi)
+            if kivi is not None:
+                blob = blob.packed(kivi)
         self._store(key, blob)
         self.sizes[key] = blob.nbytes
         self.lru.touch(key)

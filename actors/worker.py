@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvsnap.errors import Conflict, NotFound, Unavailable
@@ -32,8 +32,8 @@ from kvsnap.policies import Policy, policy_from_json, policy_to_json
 from .cache import export_kv, full_layer_indices, import_kv
 from .directory import SessionDirectory, SessionEntry, check_id
 from .engine import Engine, TurnResult, TurnStream
-from .sampling import SamplingParams
-from .session import Session
+from .sampling import SamplingParams, cut_at_stop
+from .session import Session, TurnMark
 from .tiers import KVBlob, TieredStore, blob_from_bytes, blob_to_bytes
 
 log = logging.getLogger(__name__)
@@ -41,12 +41,14 @@ log = logging.getLogger(__name__)
 
 class TurnRecord(NamedTuple):
     """What a turn writes besides its tokens: messages for the message log, the role its answer
-    is logged under (None: not logged), and the caller's id for the turn (stored as the entry's
-    ``last_turn``, so a caller whose answer was lost can tell whether the turn was applied)."""
+    is logged under (None: not logged), the caller's id for the turn (stored as the entry's
+    ``last_turn``, so a caller whose answer was lost can tell whether the turn was applied), and
+    the stop strings the answer's logged text is cut at (the text the caller got back)."""
 
     messages: list[dict]
     answer_role: str | None
     turn_id: str = ""
+    stop: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -56,6 +58,7 @@ class Held:
     entry: SessionEntry  # as last committed (or to be replayed, when ``dirty``)
     transcript: list[int]
     messages: list[dict]  # the message log (HTTP / OpenAI APIs), for re-registration
+    marks: list[TurnMark] = field(default_factory=list)  # each turn's place in the transcript (replays)
     dirty: bool = False  # committed locally while Redis was unreachable
 
 
@@ -68,11 +71,12 @@ class Worker:
         self.epoch = time.time_ns()  # incarnation: a restarted worker never reuses one
         self.held: dict[str, Held] = {}
         self.counters: Counter = Counter()  # rebuilds, tier hits, offline turns, resyncs, conflicts
-        self._busy: set[str] = set()
+        self._busy: dict[str, _Claim] = {}  # sessions with a turn in progress
         self._busy_lock = threading.Lock()
         self._lock = threading.RLock()  # one model: turns run one at a time
         self._stop = threading.Event()
         self.draining = False
+        self._resume: threading.Timer | None = None  # ends a drain (see drain)
         try:
             self.heartbeat()
         except Unavailable:
@@ -119,11 +123,12 @@ class Worker:
             recompress=recompress,
         )
         stream = self.engine.stream(session, tokens, sampling)  # validates before any work or write
-        with self._claim(key):
+        with self._claimed(key) as claim:
             if self.directory.get(tenant, session_id) is not None:
                 raise Conflict(f"session {session_id!r} already exists")
             self.directory.create(entry, [])  # version 1, empty log: the first commit carries the tokens
-        return self._wrap(key, entry, session, stream, "new", TurnRecord(log_messages or [], answer_role))
+        stop = sampling.stop if sampling is not None else ()
+        return self._wrap(claim, entry, session, stream, "new", TurnRecord(log_messages or [], answer_role, "", stop))
 
     def turn_stream(
         self,
@@ -137,13 +142,14 @@ class Worker:
     ) -> TurnStream:
         """``turn_id`` (the caller's, optional) is stored with the commit as the entry's ``last_turn``."""
         key = self._key(tenant, session_id)
-        with self._claim(key):
+        with self._claimed(key) as claim:  # held until the stream ends: a second turn gets Conflict
             if self.draining:
                 raise Unavailable("worker is draining; retry (the session moves to another worker)")
             entry = self._entry(tenant, session_id, key)
             session, source = self._load(key, entry)
             stream = self.engine.stream(session, tokens, sampling)
-        return self._wrap(key, entry, session, stream, source, TurnRecord(log_messages or [], answer_role, turn_id))
+        record = TurnRecord(log_messages or [], answer_role, turn_id, sampling.stop)
+        return self._wrap(claim, entry, session, stream, source, record)
 
     def messages(self, tenant: str, session_id: str) -> list[dict]:
         """The session's message log; this worker's copy while Redis is down."""
@@ -161,7 +167,7 @@ class Worker:
 
     def delete(self, tenant: str, session_id: str) -> None:
         key = self._key(tenant, session_id)
-        with self._claim(key):
+        with self._claimed(key) as claim, claim:
             existed = self.directory.delete(tenant, session_id)
             with self._lock:
                 self._discard(key)
@@ -198,11 +204,19 @@ class Worker:
     def stop(self) -> None:
         self._stop.set()
 
-    def drain(self) -> int:
+    def drain(self, resume_after_s: float | None = None) -> int:
         """Stop taking turns and hand every held session's KV over through Redis, so the
         replicas that get these sessions next import the KV instead of re-prefilling.
-        Returns how many sessions were exported."""
+        Returns how many sessions were exported.
+
+        A drain ends: after ``resume_after_s`` seconds (None: never; the replica is on its way
+        out, e.g. its spot node is reclaimed) the worker takes turns and new sessions again.
+        Meanwhile the router places the handed-over sessions elsewhere; a session whose next turn
+        comes back here later imports its own hand-over."""
         self.draining = True
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
         exported = 0
         with self._lock:
             for key, held in list(self.held.items()):
@@ -222,7 +236,16 @@ class Worker:
                 self.held.pop(key)
         self.counters["exported"] += exported
         log.info("worker %s drained: %d sessions exported", self.worker_id, exported)
+        if resume_after_s is not None:
+            self._resume = threading.Timer(resume_after_s, self._end_drain)
+            self._resume.daemon = True
+            self._resume.start()
         return exported
+
+    def _end_drain(self) -> None:
+        self.draining = False
+        self._resume = None
+        log.info("worker %s: drain over, taking sessions again", self.worker_id)
 
     def _import(self, entry: SessionEntry, part: str = "") -> KVBlob | None:
         """A KV blob handed over by a draining worker, if it is of this entry's version."""
@@ -271,6 +294,7 @@ class Worker:
                 session.cache = import_kv(self.engine.model.config, blob.tensors, blob.logical_len)
                 session.logical_len = blob.logical_len
                 session.transcript = list(held.transcript)
+                session.marks = list(held.marks)
                 session.turns = entry.turns
                 if entry.recompress == "reselect":
                     self._attach_full_copy(entry, session, self.store.peek(_full_key(key)))
@@ -284,48 +308,53 @@ class Worker:
                 session.cache = import_kv(self.engine.model.config, imported.tensors, imported.logical_len)
                 session.logical_len = imported.logical_len
                 session.transcript = self.directory.tokens(entry.tenant, entry.session_id)
+                session.marks = self.directory.marks(entry.tenant, entry.session_id)
                 session.turns = entry.turns
                 if entry.recompress == "reselect":
                     self._attach_full_copy(entry, session, self._import(entry, part="full"))
                 self.counters["imports"] += 1
                 return session, "imported"
-            transcript = held.transcript if held and held.entry.version == entry.version else None
-            if transcript is None:
+            if held and held.entry.version == entry.version:
+                transcript, marks = held.transcript, held.marks
+            else:
                 transcript = self.directory.tokens(entry.tenant, entry.session_id)
+                marks = self.directory.marks(entry.tenant, entry.session_id)
             if len(transcript) != entry.log_len:
                 raise Unavailable(
                     f"token log of {entry.session_id!r} has {len(transcript)} tokens, expected {entry.log_len}; retry"
                 )
-            if transcript:
-                self.engine.rebuild(session, transcript, entry.logical_len or len(transcript))
+            if transcript:  # replays each turn as it ran (see Engine.rebuild)
+                self.engine.rebuild(session, transcript, entry.logical_len or len(transcript), marks)
             session.turns = entry.turns
             self.counters["rebuilds"] += 1
             return session, "rebuilt"
 
     def _wrap(
         self,
-        key: str,
+        claim: _Claim,
         entry: SessionEntry,
         session: Session,
         stream: TurnStream,
         source: str,
         record: TurnRecord,
     ) -> TurnStream:
-        """Run ``stream`` under the worker lock and commit when it ends (also when closed early)."""
-        out = TurnStream(finish_reason=stream.finish_reason, source=source)
-        out.tokens = self._run(key, entry, session, stream, out, record)
+        """Run ``stream`` under the worker lock and commit when it ends (also when closed early).
+        The session's claim passes to the stream: released when it ends or is closed."""
+        out = TurnStream(finish_reason=stream.finish_reason, source=source, on_close=claim.release)
+        out.tokens = self._run(claim, entry, session, stream, out, record)
         return out
 
     def _run(
         self,
-        key: str,
+        claim: _Claim,
         entry: SessionEntry,
         session: Session,
         stream: TurnStream,
         out: TurnStream,
         record: TurnRecord,
     ) -> Iterator[int]:
-        with self._claim(key), self._lock:
+        key = claim.key
+        with claim, self._lock:
             try:
                 yield from stream
             except GeneratorExit:  # the client went away: keep what was generated
@@ -352,7 +381,8 @@ class Worker:
         messages, answer_role = record.messages, record.answer_role
         if answer_role:
             generated = session.transcript[len(session.transcript) - out.report.generated_tokens :]
-            messages = [*messages, {"role": answer_role, "content": self.engine.decode(generated)}]
+            text = cut_at_stop(self.engine.decode(generated), record.stop)
+            messages = [*messages, {"role": answer_role, "content": text}]
         self._commit(key, entry, session, messages, record.turn_id)
 
     def _commit(self, key: str, entry: SessionEntry, session: Session, messages: list[dict], turn_id: str = "") -> None:
@@ -367,8 +397,8 @@ class Worker:
         self._store_full_copy(key, session, expected + 1)
         held = self.held.get(key)
         all_messages = (held.messages if held and held.entry.version == expected else []) + messages
-        try:
-            self.directory.commit(updated, expected, session.transcript[logged:], messages)
+        try:  # one commit per turn: its mark is the session's last
+            self.directory.commit(updated, expected, session.transcript[logged:], messages, session.marks[-1:])
         except Conflict:
             self._discard(key)
             self.held.pop(key, None)
@@ -377,20 +407,22 @@ class Worker:
         except Unavailable:
             updated.version = expected + 1
             updated.log_len = len(session.transcript)
-            self.held[key] = Held(updated, list(session.transcript), all_messages, dirty=True)
+            self.held[key] = Held(updated, list(session.transcript), all_messages, list(session.marks), dirty=True)
             log.warning("commit of %s deferred: Redis unavailable", key)
             return
-        self.held[key] = Held(updated, list(session.transcript), all_messages)
+        self.held[key] = Held(updated, list(session.transcript), all_messages, list(session.marks))
         self._record_moves()
 
     def _store_full_copy(self, key: str, session: Session, version: int) -> None:
         """recompress="reselect": the full copy goes to the host tier (never the device tier),
-        where LRU demotes or drops it like any other blob."""
+        where LRU demotes or drops it like any other blob. It is kept at full precision
+        (``exact``) even where the tiers quantize KV (kv_quant): re-selection scores its rows
+        and copies them to the device every turn."""
         if session.full_kv is None:
             self.store.discard(_full_key(key))
             return
         tensors = [t for idx in sorted(session.full_kv) for t in session.full_kv[idx]]
-        self.store.put(_full_key(key), KVBlob(tensors, session.full_len, version), tier=1)
+        self.store.put(_full_key(key), KVBlob(tensors, session.full_len, version, exact=True), tier=1)
 
     def _attach_full_copy(self, entry: SessionEntry, session: Session, blob: KVBlob | None) -> None:
         """Give a reselect session its full copy back (from a tier, or handed over by a drained
@@ -422,7 +454,7 @@ class Worker:
                 return
             entry = _copy(held.entry)
             entry.tier = self.store.tier_of(key) or "dropped"
-            if self.directory.restore(entry, held.transcript, held.messages):
+            if self.directory.restore(entry, held.transcript, held.messages, held.marks):
                 self.counters["resyncs"] += 1
             held.dirty = False
 
@@ -444,17 +476,20 @@ class Worker:
         return f"{check_id('tenant', tenant)}/{check_id('session id', session_id)}"
 
     @contextmanager
-    def _claim(self, key: str):
-        """One turn per session at a time: a second concurrent one gets Conflict (HTTP 409)."""
+    def _claimed(self, key: str):
+        """Claim ``key`` (one turn per session at a time: a second concurrent one gets Conflict,
+        HTTP 409, before any model work). Released on an error; on success the caller keeps the
+        claim (a stream releases it when it ends) or releases it."""
         with self._busy_lock:
             if key in self._busy:
                 raise Conflict("another turn on this session is in progress")
-            self._busy.add(key)
+            claim = _Claim(key, self)
+            self._busy[key] = claim
         try:
-            yield
-        finally:
-            with self._busy_lock:
-                self._busy.discard(key)
+            yield claim
+        except BaseException:
+            claim.release()
+            raise
 
     def _collect(self, stream: TurnStream) -> TurnResult:
         tokens = list(stream)
@@ -465,6 +500,7 @@ class Worker:
             "worker": self.worker_id,
             "epoch": self.epoch,
             "held": len(self.held),
+            "draining": self.draining,
             "bytes_by_tier": self.store.bytes_by_tier(),
             "sessions_by_tier": self.store.sessions_by_tier(),
             "demotions": dict(self.store.stats.demotions),
@@ -473,6 +509,27 @@ class Worker:
             "corrupt": self.store.stats.corrupt,
             **self.counters,
         }
+
+
+class _Claim:
+    """One turn's hold on a session; ``release`` is idempotent and never frees a later turn's claim.
+    As a context manager it releases on exit."""
+
+    __slots__ = ("key", "worker")
+
+    def __init__(self, key: str, worker: Worker):
+        self.key, self.worker = key, worker
+
+    def release(self) -> None:
+        with self.worker._busy_lock:
+            if self.worker._busy.get(self.key) is self:
+                del self.worker._busy[self.key]
+
+    def __enter__(self) -> _Claim:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def _copy(entry: SessionEntry) -> SessionEntry:

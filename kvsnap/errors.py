@@ -57,6 +57,12 @@ class Unauthenticated(KvsnapError):
     kind = "unauthenticated"
 
 
+class PermissionDenied(KvsnapError):
+    """A valid key that may not do this, e.g. a tenant key on an admin route (403 / PERMISSION_DENIED)."""
+
+    kind = "permission_denied"
+
+
 class PayloadTooLarge(KvsnapError):
     """Request body or prompt exceeds the configured maximum (413 / INVALID_ARGUMENT)."""
 

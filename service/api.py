@@ -20,7 +20,7 @@ import ray.exceptions
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from kvsnap.actors.directory import SessionDirectory, check_id
-from kvsnap.actors.sampling import SamplingParams
+from kvsnap.actors.sampling import SamplingParams, cut_at_stop
 from kvsnap.actors.session import check_recompress
 from kvsnap.errors import (
     Conflict,
@@ -36,10 +36,11 @@ from kvsnap.policies import make_policy
 
 from .config import ServiceConfig
 from .metrics import Metrics
-from .template import encode_messages
+from .template import TURN_MARKER, encode_messages
 
 log = logging.getLogger(__name__)
 
+DRAIN_RESUME_S = 60.0  # a drained replica stays out of placement this long, then takes sessions again
 RETRY_WINDOW_S = 30.0  # a replica that died before answering: retry this long (a replacement starts meanwhile)
 RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, DeploymentUnavailableError)
 CHAT_ROLES = {"system", "document", "user", "assistant"}
@@ -69,11 +70,6 @@ POLICY_FIELDS = {
     "h2o": ("window", "budget"),
     "scissorhands": ("window", "budget", "history"),
 }
-
-
-def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
-    cuts = [text.find(s) for s in stop if s in text]
-    return text[: min(cuts)] if cuts else text
 
 
 class SessionAPI:
@@ -109,7 +105,11 @@ class SessionAPI:
         check_recompress(make_policy(name, **params), recompress)  # validates every parameter
         return {"policy": name, "recompress": recompress, **params}
 
-    def sampling(self, fields: dict) -> dict:
+    def sampling(self, fields: dict, template: bool = False) -> dict:
+        """Sampling parameters from a request's fields. ``template``: the prompt used the plain
+        template, whose turn marker is then a stop string unless the request names its own
+        ``stop`` (an empty list: none), so that a base model's answer does not run on into a
+        made-up next turn."""
         max_tokens = fields.get("max_tokens")
         if max_tokens is None:
             max_tokens = fields.get("max_completion_tokens")
@@ -117,7 +117,9 @@ class SessionAPI:
             max_tokens = self.cfg.default_max_tokens
         if isinstance(max_tokens, int) and max_tokens > self.cfg.max_new_tokens:
             raise InvalidArgument(f"max_tokens must be <= {self.cfg.max_new_tokens}, got {max_tokens}")
-        stop = fields.get("stop") or ()
+        stop = fields.get("stop")
+        if stop is None:
+            stop = (TURN_MARKER,) if template else ()
         params = {
             "max_new_tokens": max_tokens,
             "temperature": 0.0 if fields.get("temperature") is None else fields["temperature"],
@@ -170,7 +172,7 @@ class SessionAPI:
         sid = check_id("session id", session_id)
         if not message:
             raise InvalidArgument("message is empty")
-        params = self.sampling(sampling)
+        params = self.sampling(sampling, template=not raw)
         role, answer = ("prompt", "completion") if raw else ("user", "assistant")
         new = [{"role": role, "content": message}]
         tokens = self.raw_tokens(message, first=False) if raw else self.tokens(new, first=False)
@@ -186,8 +188,12 @@ class SessionAPI:
         sid = check_id("session id", session_id)
         await self._call("delete", tenant, sid, tenant, sid)
 
-    async def drain(self, worker_id: str) -> int:
-        return await self._call("drain", "", f"worker:{check_id('worker id', worker_id)}")
+    async def drain(self, worker_id: str, resume_after_s: float = DRAIN_RESUME_S) -> int:
+        """Drain one replica by its id (NotFound, nothing drained, when no live replica has it)."""
+        check_id("worker id", worker_id)
+        if not await asyncio.to_thread(self.directory.worker_known, worker_id):
+            raise NotFound(f"no worker {worker_id!r} (see GET /metrics for the live ones)")
+        return await self._call("drain", "", f"worker:{worker_id}", worker_id, resume_after_s)
 
     # -- OpenAI-compatible: only the messages beyond the session's are prefilled -------------
     def chat(
@@ -201,7 +207,7 @@ class SessionAPI:
         stored: list[dict] | None,
         streaming: bool = True,
     ) -> AsyncIterator[dict]:
-        params = self.sampling(sampling)
+        params = self.sampling(sampling, template=True)
         if messages[-1]["role"] != "user":
             raise InvalidArgument("the last message must come from the user")
         if stored is None:  # a new session under this id

@@ -129,7 +129,10 @@ def cmd_serve(args) -> int:
         from kvsnap.service.app import APP_NAME, build_app
 
         cpus = max(2, int(cfg.replicas * cfg.cpus_per_replica + 0.999))
-        ray.init(num_cpus=cpus, include_dashboard=False, configure_logging=True, logging_level="WARNING")
+        # address="local": always a Ray of its own, never one found on the machine (`ray start`)
+        ray.init(
+            address="local", num_cpus=cpus, include_dashboard=False, configure_logging=True, logging_level="WARNING"
+        )
         serve.start(http_options={"host": cfg.http_host, "port": cfg.http_port})
         print(
             f"loading {cfg.model!r} on {cfg.replicas} replica(s); the first run converts the embedded model "
@@ -237,17 +240,20 @@ def cmd_spot_watch(args) -> int:
 
     from kvsnap.service.spot import SpotWatcher, local_worker_replicas, poll_aws, ray_drain_node
 
-    key = args.api_key or os.environ.get("KVSNAP_API_KEY")
-    if not key and args.api_key_file:
-        with open(os.path.expanduser(args.api_key_file), encoding="utf-8") as fh:
+    key = args.admin_key or os.environ.get("KVSNAP_ADMIN_KEY")
+    if not key and args.admin_key_file:
+        with open(os.path.expanduser(args.admin_key_file), encoding="utf-8") as fh:
             key = fh.read().strip()
     if not key:
-        raise SystemExit("kvsnap spot-watch: pass --api-key, --api-key-file or set KVSNAP_API_KEY")
+        raise SystemExit(
+            "kvsnap spot-watch: pass --admin-key, --admin-key-file or set KVSNAP_ADMIN_KEY "
+            "(one of the service's KVSNAP_ADMIN_KEYS; tenant keys cannot drain)"
+        )
     ray.init(address=args.ray_address, logging_level="WARNING")
     node_id = ray.get_runtime_context().get_node_id()
     watcher = SpotWatcher(
         kvsnap_url=args.kvsnap_url,
-        api_key=key,
+        admin_key=key,
         poll=functools.partial(poll_aws, args.metadata_url),
         replicas=functools.partial(local_worker_replicas, node_id),
         drain_node=functools.partial(ray_drain_node, node_id),
@@ -472,8 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     spot = sub.add_parser("spot-watch", help="on a spot node: drain it and move its sessions on an interruption")
     spot.add_argument("--kvsnap-url", default="http://127.0.0.1:8000")
-    spot.add_argument("--api-key", default=None)
-    spot.add_argument("--api-key-file", default=None)
+    spot.add_argument("--admin-key", default=None, help="an admin key of the service (KVSNAP_ADMIN_KEYS)")
+    spot.add_argument("--admin-key-file", default=None, help="a file holding the admin key")
     spot.add_argument("--metadata-url", default="http://169.254.169.254", help="instance metadata endpoint")
     spot.add_argument("--interval", type=float, default=5.0, help="seconds between polls")
     spot.add_argument("--ray-address", default="auto")

@@ -36,8 +36,17 @@ class ServiceConfig(BaseModel):
     http_port: int = Field(8000, ge=1, le=65535)
     grpc_port: int = Field(9000, ge=0, le=65535, description="0 disables gRPC")
     redis_url: str | None = Field(None, description="redis:// or rediss:// URL; unset = start an embedded redis")
-    data_dir: str = Field(".kvsnap", description="embedded Redis data and the disk tier live here")
+    data_dir: str = Field(
+        ".kvsnap",
+        description="embedded Redis data and the disk tier live here (made absolute against the working "
+        "directory where the config is built: child processes and replicas run elsewhere)",
+    )
     api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> tenant")
+    admin_keys: list[str] = Field(
+        default_factory=list,
+        description="keys for the admin routes (/v1/admin/...), comma-separated in KVSNAP_ADMIN_KEYS; "
+        "none (the default) = admin routes off. Tenant keys never open them",
+    )
     device_tier_mib: int = Field(1024, ge=0, description="device (GPU, or CPU here) tier budget per replica")
     host_tier_mib: int = Field(4096, ge=0, description="host tier budget per replica")
     disk_tier_mib: int = Field(0, ge=0, description="disk tier budget per replica (0 = no disk tier)")
@@ -82,6 +91,22 @@ class ServiceConfig(BaseModel):
                 f"default_max_tokens ({self.default_max_tokens}) must be <= max_new_tokens ({self.max_new_tokens}): "
                 "every request that names no max_tokens would be refused"
             )
+        return self
+
+    @field_validator("data_dir")
+    @classmethod
+    def _absolute_dir(cls, value: str) -> str:
+        return os.path.abspath(os.path.expanduser(value))
+
+    @field_validator("admin_keys", mode="before")
+    @classmethod
+    def _parse_admin_keys(cls, value: Any) -> Any:
+        return [k.strip() for k in value.split(",") if k.strip()] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _admin_keys_apart(self) -> ServiceConfig:
+        if set(self.admin_keys) & set(self.api_keys):
+            raise ValueError("an admin key must not also be a tenant's API key")
         return self
 
     @field_validator("api_keys", mode="before")

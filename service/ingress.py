@@ -25,9 +25,9 @@ from starlette.datastructures import Headers
 
 from kvsnap.actors.directory import SessionDirectory
 from kvsnap.actors.models import tokenizer_for
-from kvsnap.errors import InvalidArgument, KvsnapError, PayloadTooLarge, Unauthenticated
+from kvsnap.errors import InvalidArgument, KvsnapError, PayloadTooLarge, PermissionDenied, Unauthenticated
 
-from .api import SessionAPI, TurnOutcome, as_kvsnap_error, state_view
+from .api import DRAIN_RESUME_S, SessionAPI, TurnOutcome, as_kvsnap_error, state_view
 from .config import ServiceConfig
 from .metrics import Metrics
 from .schemas import ChatCompletionRequest, CompletionRequest, CreateSession, SessionState, Turn, TurnAnswer
@@ -51,20 +51,44 @@ def _current() -> Ingress:
 
 
 OPEN_PATHS = {"/health", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
+ADMIN_PREFIX = "/v1/admin/"
+ADMIN = "<admin>"  # request.state.tenant of an admin call (never a tenant name: not a valid id)
+
+
+def _bearer(authorization: str | None) -> bytes:
+    if not authorization or not authorization.lower().startswith("bearer "):
+        raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>'")
+    return authorization[7:].strip().encode()
+
+
+def _match(given: bytes, keys) -> str | None:
+    """The value of the key in ``keys`` (key -> value) equal to ``given``; every key is compared, in constant time."""
+    found = None
+    for key, value in keys.items():
+        if hmac.compare_digest(given, key.encode()):
+            found = value
+    return found
 
 
 def tenant_for(keys: dict[str, str], authorization: str | None) -> str:
-    """The tenant of a ``Bearer`` key; every configured key is compared, in constant time."""
-    if not authorization or not authorization.lower().startswith("bearer "):
-        raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>'")
-    given = authorization[7:].strip().encode()
-    tenant = None
-    for key, owner in keys.items():
-        if hmac.compare_digest(given, key.encode()):
-            tenant = owner
+    """The tenant of a ``Bearer`` key."""
+    tenant = _match(_bearer(authorization), keys)
     if tenant is None:
         raise Unauthenticated("invalid API key")
     return tenant
+
+
+def check_admin(cfg: ServiceConfig, authorization: str | None) -> str:
+    """Admin routes take admin keys only: a tenant's key gets PermissionDenied, as does every key
+    while no admin key is configured (admin routes off)."""
+    given = _bearer(authorization)
+    if _match(given, dict.fromkeys(cfg.admin_keys, ADMIN)) is not None:
+        return ADMIN
+    if _match(given, cfg.api_keys) is None:
+        raise Unauthenticated("invalid API key")
+    if not cfg.admin_keys:
+        raise PermissionDenied("admin routes are off: no admin key is configured (KVSNAP_ADMIN_KEYS)")
+    raise PermissionDenied("admin routes take an admin key; a tenant's API key cannot use them")
 
 
 def error_response(error: KvsnapError) -> JSONResponse:
@@ -110,7 +134,10 @@ class Edge:
         try:
             try:
                 headers = Headers(scope=scope)
-                if route not in OPEN_PATHS:
+                if route.startswith(ADMIN_PREFIX):
+                    tenant = check_admin(ingress.cfg, headers.get("authorization"))
+                    scope.setdefault("state", {})["tenant"] = tenant
+                elif route not in OPEN_PATHS:
                     tenant = tenant_for(ingress.cfg.api_keys, headers.get("authorization"))
                     scope.setdefault("state", {})["tenant"] = tenant  # request.state.tenant
                 limit = ingress.cfg.max_body_bytes
@@ -209,9 +236,17 @@ async def delete_session(session_id: str, request: Request):
     return Response(status_code=204)
 
 
-@app.post("/v1/admin/workers/{worker_id}/drain", summary="move every session off one worker")
-async def drain_worker(worker_id: str, request: Request):
-    return {"worker": worker_id, "exported": await _api(request).drain(worker_id)}
+@app.post(
+    "/v1/admin/workers/{worker_id}/drain",
+    summary="hand every session of one worker replica over to the others (admin key only)",
+)
+async def drain_worker(worker_id: str, request: Request, resume_after_s: float = DRAIN_RESUME_S):
+    """The replica stops taking turns, hands each session's KV over through Redis, stays out of
+    placement for ``resume_after_s`` seconds, then takes sessions again. 404 for an unknown id."""
+    if not 0 <= resume_after_s <= 86400:
+        raise InvalidArgument("resume_after_s must be in [0, 86400]")
+    exported = await _api(request).drain(worker_id, resume_after_s)
+    return {"worker": worker_id, "exported": exported, "resume_after_s": resume_after_s}
 
 
 @app.get("/v1/models", summary="OpenAI-compatible model list")

@@ -44,7 +44,11 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(None, description="nucleus sampling, in (0, 1]")
     top_k: int | None = Field(None, description="0 = off")
     seed: int | None = None
-    stop: str | list[str] | None = Field(None, description="stop strings")
+    stop: str | list[str] | None = Field(
+        None,
+        description="stop strings; unset: the template's turn marker '\\nUser:' for templated turns, none for "
+        "raw ones; [] for none. The text returned and logged ends before the stop string",
+    )
 
     @field_validator("temperature", "top_p")
     @classmethod

@@ -91,11 +91,14 @@ def local_worker_replicas(node_id: str) -> list[str]:
     return ids
 
 
-def drain_via_kvsnap(kvsnap_url: str, api_key: str, worker_id: str, timeout_s: float = 60.0) -> int:
+def drain_via_kvsnap(
+    kvsnap_url: str, admin_key: str, worker_id: str, resume_after_s: float = 60.0, timeout_s: float = 60.0
+) -> int:
+    """Drain one replica through the admin route (an admin key: tenant keys get 403)."""
     req = urllib.request.Request(
-        f"{kvsnap_url}/v1/admin/workers/{worker_id}/drain",
+        f"{kvsnap_url}/v1/admin/workers/{worker_id}/drain?resume_after_s={resume_after_s:.0f}",
         method="POST",
-        headers={"Authorization": f"Bearer {api_key}"},
+        headers={"Authorization": f"Bearer {admin_key}"},
     )
     with urllib.request.urlopen(req, timeout=timeout_s) as response:
         return int(json.loads(response.read())["exported"])
@@ -106,7 +109,7 @@ class SpotWatcher:
     """Poll until a notice arrives, then drain once. Every dependency is injectable (tests)."""
 
     kvsnap_url: str
-    api_key: str
+    admin_key: str  # one of the service's KVSNAP_ADMIN_KEYS
     poll: Callable[[], Notice | None]
     replicas: Callable[[], list[str]]
     drain_node: Callable[[Notice], None] | None = None
@@ -130,8 +133,13 @@ class SpotWatcher:
                 log.error("spot watcher: ray drain-node failed: %s", exc)
         for worker_id in self.replicas():
             try:
+                # out of placement until well after the reclaim; back in if the node survives after all
                 self.drained[worker_id] = drain_via_kvsnap(
-                    self.kvsnap_url, self.api_key, worker_id, timeout_s=max(5.0, notice.seconds_left())
+                    self.kvsnap_url,
+                    self.admin_key,
+                    worker_id,
+                    resume_after_s=notice.seconds_left() + 60,
+                    timeout_s=max(5.0, notice.seconds_left()),
                 )
             except OSError as exc:
                 log.error("spot watcher: draining worker %s failed: %s", worker_id, exc)

@@ -9,6 +9,7 @@ from kvsnap.errors import KvsnapError
 HTTP_STATUS = {
     "invalid_argument": 400,
     "unauthenticated": 401,
+    "permission_denied": 403,
     "not_found": 404,
     "conflict": 409,
     "payload_too_large": 413,
@@ -21,6 +22,7 @@ HTTP_STATUS = {
 GRPC_STATUS = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
     "not_found": grpc.StatusCode.NOT_FOUND,
     "conflict": grpc.StatusCode.ABORTED,
     "payload_too_large": grpc.StatusCode.INVALID_ARGUMENT,

@@ -15,6 +15,9 @@ from __future__ import annotations
 from kvsnap.errors import InvalidArgument
 
 ROLES = ("system", "document", "user", "assistant")
+# How the template starts a user's turn: a default stop string of templated turns (a base model
+# would otherwise go on to write the next question itself). A request's own `stop` replaces it.
+TURN_MARKER = "\nUser:"
 
 
 def segment(message: dict) -> str:
@@ -26,7 +29,7 @@ def segment(message: dict) -> str:
     if role in ("system", "document"):
         return f"{content}\n"
     if role == "user":
-        return f"\nUser: {content}\nAssistant:"
+        return f"{TURN_MARKER} {content}\nAssistant:"
     return content
 
 

@@ -29,6 +29,7 @@ from kvsnap.actors import Engine, SamplingParams, load_model
 from kvsnap.actors.directory import SessionDirectory
 from kvsnap.actors.tiers import build_store
 from kvsnap.actors.worker import Worker
+from kvsnap.errors import NotFound
 from kvsnap.policies import make_policy
 from kvsnap.policies.kivi import parse_kivi
 
@@ -193,8 +194,12 @@ class WorkerReplica:
     def delete(self, tenant: str, session_id: str) -> None:
         self.worker.delete(tenant, session_id)
 
-    def drain(self) -> int:
-        return self.worker.drain()
+    def drain(self, worker_id: str, resume_after_s: float) -> int:
+        """Drain this replica; the router sends the call to ``worker_id`` only, and a call that
+        lands elsewhere (that replica just went away) drains nothing."""
+        if worker_id != self.worker_id:
+            raise NotFound(f"no worker {worker_id!r}")
+        return self.worker.drain(resume_after_s)
 
     def stats(self) -> dict:
         return self.worker.stats()

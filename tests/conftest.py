@@ -56,6 +56,7 @@ def directory_factory(redis_server, request):
 
 
 API_KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
+ADMIN_KEY = "key-admin"
 
 
 class RunningService:
@@ -88,6 +89,7 @@ def service(redis_server, tmp_path_factory):
         http_port=free_port(),
         grpc_port=free_port(),
         api_keys=API_KEYS,
+        admin_keys=[ADMIN_KEY],
         data_dir=str(tmp_path_factory.mktemp("service")),
         max_prompt_tokens=3000,
         max_body_bytes=64 * 1024,

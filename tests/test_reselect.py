@@ -159,3 +159,29 @@ def test_full_copy_demoted_to_disk_still_serves_reselection(llama_engine, direct
     result = worker.turn("acme", "d", random_tokens(10, seed=11), SAMPLING)
     assert result.source == "device" and result.report.reselect_s > 0
     assert worker.counters["reselect_fallbacks"] == 0 and worker.store.tier_of("acme/d/full") == "disk"
+
+
+@pytest.mark.parametrize("host_budget", [10**9, 1], ids=["host", "disk"])
+def test_full_copy_stays_at_full_precision_under_a_quantized_tier(
+    llama_engine, directory_factory, tmp_path, host_budget
+):
+    """kv_quant quantizes what the host and disk tiers store, but not a re-selection session's full
+    copy: its rows are scored and copied to the device every turn, so they must stay exact."""
+    from kvsnap.policies.kivi import parse_kivi
+
+    kivi = parse_kivi("kivi2", 32, 32)
+    store = build_store(10**9, host_budget, 10**9, tmp_path, kivi=kivi)
+    worker = Worker(llama_engine, directory_factory(), store, "w1")
+    plain = Worker(llama_engine, directory_factory(), build_store(10**9, 10**9), "w2")
+    for w, sid in ((worker, "q"), (plain, "p")):
+        w.open("acme", sid, random_tokens(150, seed=12), POLICY, "reselect", sampling=SAMPLING)
+        w.turn("acme", sid, random_tokens(10, seed=13), SAMPLING)
+    assert worker.store.tier_of("acme/q/full") == ("host" if host_budget > 1 else "disk")
+    stored = worker.store.peek("acme/q/full")
+    want = plain.store.peek("acme/p/full")
+    assert stored.layout is None and stored.exact
+    for got, expected in zip(stored.tensors, want.tensors, strict=True):
+        assert torch.equal(got, expected)
+    # while an ordinary blob put in the same tier is quantized (lossy)
+    worker.store.tiers[1].put("probe", type(want)([t.clone() for t in want.tensors], want.logical_len, 1))
+    assert worker.store.tiers[1].blobs["probe"].layout is not None

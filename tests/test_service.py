@@ -12,8 +12,9 @@ import openai
 import pytest
 import requests
 
-from kvsnap.actors import SamplingParams
+from kvsnap.actors import Engine, SamplingParams, load_model
 from kvsnap.actors.directory import SessionDirectory
+from kvsnap.actors.sampling import cut_at_stop
 from kvsnap.errors import (
     Conflict,
     DeadlineExceeded,
@@ -21,15 +22,19 @@ from kvsnap.errors import (
     KvsnapError,
     NotFound,
     PayloadTooLarge,
+    PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
     Unavailable,
 )
+from kvsnap.policies import make_policy
 from kvsnap.service import app
 from kvsnap.service.config import ServiceConfig
 from kvsnap.service.grpc_stubs import pb2, pb2_grpc
 from kvsnap.service.status import grpc_status, http_status
-from kvsnap.service.template import encode_messages
+from kvsnap.service.template import TURN_MARKER, encode_messages
+
+from .conftest import ADMIN_KEY
 
 DOC = "Foxes are small omnivorous mammals. The pass key is 48213. Foxes live in dens and hunt at night. " * 3
 QUESTIONS = ["What is the pass key?", "Where do foxes live?", "And when do they hunt?"]
@@ -37,17 +42,17 @@ FULL = {"policy": "full"}
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def reference_answers(engine, document: str, questions: list[str], max_tokens: int) -> list[str]:
-    """The same conversation on the in-process engine (policy full)."""
+def reference_answers(engine, document: str, questions: list[str], max_tokens: int, policy="full") -> list[str]:
+    """The same conversation on the in-process engine, never interrupted (policy full by default)."""
     tok = engine.tokenizer
-    session = engine.new_session("full")
+    session = engine.new_session(policy)
     engine.prefill(session, encode_messages(tok, [{"role": "document", "content": document}], True))
+    sampling = SamplingParams(max_new_tokens=max_tokens, stop=(TURN_MARKER,))  # the templated turns' default
     return [
-        engine.turn(
-            session,
-            encode_messages(tok, [{"role": "user", "content": q}], False),
-            SamplingParams(max_new_tokens=max_tokens),
-        ).text
+        cut_at_stop(
+            engine.turn(session, encode_messages(tok, [{"role": "user", "content": q}], False), sampling).text,
+            (TURN_MARKER,),
+        )
         for q in questions
     ]
 
@@ -219,6 +224,7 @@ def test_status_mapping_is_complete():
     errors = [
         InvalidArgument("x"),
         Unauthenticated("x"),
+        PermissionDenied("x"),
         NotFound("x"),
         Conflict("x"),
         PayloadTooLarge("x"),
@@ -227,10 +233,11 @@ def test_status_mapping_is_complete():
         DeadlineExceeded("x"),
         KvsnapError("x"),
     ]
-    assert [http_status(e) for e in errors] == [400, 401, 404, 409, 413, 429, 503, 504, 500]
+    assert [http_status(e) for e in errors] == [400, 401, 403, 404, 409, 413, 429, 503, 504, 500]
     assert [grpc_status(e).name for e in errors] == [
         "INVALID_ARGUMENT",
         "UNAUTHENTICATED",
+        "PERMISSION_DENIED",
         "NOT_FOUND",
         "ABORTED",
         "INVALID_ARGUMENT",
@@ -531,41 +538,104 @@ def test_overloaded_holder_gives_up_the_session(service, llama_engine):
     assert moved["text"] == reference_answers(llama_engine, DOC, QUESTIONS[:2], 6)[-1]
 
 
-def test_killed_holder_is_replaced_and_the_session_rebuilt(service, llama_engine):
+def test_killed_holder_is_replaced_and_a_snapkv_session_rebuilt_exactly(service):
+    """A compressed session (SnapKV, the default policy) rebuilt on another replica after its
+    holder is killed answers exactly like an uninterrupted twin: the rebuild replays each turn."""
     import ray
 
-    assert create(service, "kill-me", FULL).status_code == 201
-    holder = turn(service, "kill-me", QUESTIONS[0]).json()["worker"]
+    settings = {"policy": "snapkv", "budget": 16, "window": 8, "kernel": 3}
+    twin = Engine(load_model("tiny-llama"), prefill_chunk=service.cfg.prefill_chunk)
+    want = reference_answers(twin, DOC, QUESTIONS, 6, make_policy("snapkv", budget=16, window=8, kernel=3))
+    assert create(service, "kill-me", settings).status_code == 201
+    first = turn(service, "kill-me", QUESTIONS[0]).json()
+    holder = first["worker"]
+    assert first["state"]["kept_len"] < first["state"]["logical_len"]  # compressed
     name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(f"#{holder}"))
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-    answer = turn(service, "kill-me", QUESTIONS[1])
-    assert answer.status_code == 200, answer.text
-    answer = answer.json()
-    assert answer["worker"] != holder and answer["source"] in ("rebuilt", "imported")
-    assert answer["text"] == reference_answers(llama_engine, DOC, QUESTIONS[:2], 6)[-1]
+    second = turn(service, "kill-me", QUESTIONS[1])
+    assert second.status_code == 200, second.text
+    second = second.json()
+    assert second["worker"] != holder and second["source"] == "rebuilt"  # no hand-over from a killed replica
+    third = turn(service, "kill-me", QUESTIONS[2]).json()
+    assert [first["text"], second["text"], third["text"]] == want
     wait_for_workers()
 
 
-def test_drained_holder_hands_its_sessions_over(service, llama_engine):
+def test_drained_holder_hands_its_sessions_over_then_takes_sessions_again(service, llama_engine):
     sids = ["drain-a", "drain-b"]
     holders = {}
     for sid in sids:
         assert create(service, sid, FULL).status_code == 201
         holders[sid] = turn(service, sid, QUESTIONS[0]).json()["worker"]
     victim = holders["drain-a"]
-    drained = requests.post(f"{service.http}/v1/admin/workers/{victim}/drain", headers=service.headers()).json()
-    assert drained["exported"] >= 1
-    time.sleep(1.5)  # routing stats carry the draining flag within a second
+    drained = requests.post(
+        f"{service.http}/v1/admin/workers/{victim}/drain",
+        params={"resume_after_s": 10},
+        headers=service.headers(ADMIN_KEY),
+    ).json()
+    assert drained["exported"] >= 1 and drained["resume_after_s"] == 10
+    directory = SessionDirectory(service.redis_url)
+    assert _wait_for(lambda: directory.loads()[victim]["draining"], 5)  # published with the heartbeat
+    time.sleep(1.0)  # routing stats carry the draining flag within a second
     want = reference_answers(llama_engine, DOC, QUESTIONS[:2], 6)[-1]
-    try:
-        for sid in sids:
-            answer = turn(service, sid, QUESTIONS[1]).json()
-            if holders[sid] == victim:
-                assert answer["worker"] != victim and answer["source"] == "imported"
-            assert answer["text"] == want
-    finally:  # a drained replica is on its way out: replace it, as its node's end would
-        kill_replica(victim)
-        wait_for_workers()
+    for sid in sids:
+        answer = turn(service, sid, QUESTIONS[1]).json()
+        if holders[sid] == victim:
+            assert answer["worker"] != victim and answer["source"] == "imported"
+        assert answer["text"] == want
+    # the drain ends: the replica takes new sessions again (it holds the least KV, so it gets the next one)
+    assert _wait_for(lambda: not directory.loads()[victim]["draining"], 30)
+    time.sleep(1.5)  # and the router has seen it
+    placed = set()
+    for i in range(4):
+        assert create(service, f"after-drain-{i}", FULL).status_code == 201
+        placed.add(turn(service, f"after-drain-{i}", "Hi", max_tokens=1).json()["worker"])
+    assert victim in placed
+
+
+def _wait_for(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+    return True
+
+
+def test_admin_routes_take_admin_keys_and_real_worker_ids_only(service):
+    assert create(service, "admin-probe", FULL).status_code == 201
+    holder = turn(service, "admin-probe", QUESTIONS[0]).json()["worker"]
+    url = f"{service.http}/v1/admin/workers/{holder}/drain"
+    denied = requests.post(url, headers=service.headers("key-alpha"))
+    assert denied.status_code == 403 and denied.json()["error"]["type"] == "permission_denied"
+    assert requests.post(url, headers=service.headers("key-beta")).status_code == 403
+    assert requests.post(url).status_code == 401
+    assert requests.post(url, headers=service.headers("no-such-key")).status_code == 401
+    for bogus in ("0", "w0", "worker-0", "any", holder + "x"):
+        missing = requests.post(f"{service.http}/v1/admin/workers/{bogus}/drain", headers=service.headers(ADMIN_KEY))
+        assert missing.status_code == 404, (bogus, missing.text)
+    bad = requests.post(url, params={"resume_after_s": -1}, headers=service.headers(ADMIN_KEY))
+    assert bad.status_code == 400
+    # nothing was drained: every replica takes turns, the session stays on its holder's device tier
+    assert not any(load["draining"] for load in SessionDirectory(service.redis_url).loads().values())
+    again = turn(service, "admin-probe", QUESTIONS[1]).json()
+    assert again["worker"] == holder and again["source"] == "device"
+
+
+def test_admin_routes_are_off_without_admin_keys():
+    from kvsnap.service.ingress import check_admin
+
+    off = ServiceConfig(api_keys={"k": "t"})
+    with pytest.raises(PermissionDenied, match="no admin key is configured"):
+        check_admin(off, "Bearer k")
+    on = ServiceConfig(api_keys={"k": "t"}, admin_keys="a1, a2")
+    assert on.admin_keys == ["a1", "a2"] and check_admin(on, "Bearer a2")
+    with pytest.raises(PermissionDenied):
+        check_admin(on, "Bearer k")
+    with pytest.raises(Unauthenticated):
+        check_admin(on, "Bearer zz")
+    with pytest.raises(InvalidArgument, match="admin key must not also be"):
+        ServiceConfig.from_env(api_keys={"k": "t"}, admin_keys=["k"])
 
 
 def test_reselect_session_reports_its_reselection_per_turn(service):

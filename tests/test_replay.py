@@ -1,0 +1,193 @@
+"""A rebuild replays history: after a replica kill, a drain, a tier demotion or a Redis wipe, a
+compressed session answers exactly like an uninterrupted twin, and holds the same KV.
+
+Real workers on a real redis-server; tiny random-weight models. A compressed session's cache
+depends on where each turn's compression happened, so a one-pass re-prefill of its transcript
+(what a rebuild did before the token log carried turn boundaries) gives another cache."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvsnap.actors import SamplingParams
+from kvsnap.actors.tiers import build_store
+from kvsnap.actors.worker import Worker
+from kvsnap.errors import Conflict
+from kvsnap.policies import make_policy
+
+from .conftest import random_tokens
+
+SAMPLING = SamplingParams(max_new_tokens=6)
+# policy spec -> (policy, recompress); small budgets so that every turn really drops rows
+POLICIES = {
+    "snapkv": (lambda: make_policy("snapkv", budget=16, window=8, kernel=3), "per_turn"),
+    "reselect": (lambda: make_policy("snapkv", budget=16, window=8, kernel=3), "reselect"),
+    "streaming": (lambda: make_policy("streaming", window=12, sinks=4), "per_turn"),
+    "snapkv+h2o": (
+        lambda: make_policy(
+            "snapkv", budget=16, window=8, kernel=3, decode={"policy": "h2o", "budget": 8, "window": 4}
+        ),
+        "per_turn",
+    ),
+}
+DOCUMENT = random_tokens(60, seed=7)
+QUESTIONS = [random_tokens(9, seed=70 + i) for i in range(4)]
+BEFORE, AFTER = QUESTIONS[:2], QUESTIONS[2:]  # turns before the interruption, turns compared after it
+
+
+def make_worker(engine, directory, worker_id: str, device: int = 10**9, **store) -> Worker:
+    return Worker(engine, directory, build_store(device, 10**9, **store), worker_id)
+
+
+def run_turns(worker: Worker, sid: str, questions: list[list[int]]) -> list[tuple[list[int], str]]:
+    return [(r.tokens, r.source) for r in (worker.turn("acme", sid, q, SAMPLING) for q in questions)]
+
+
+def stored_kv(worker: Worker, sid: str) -> list[torch.Tensor]:
+    return worker.store.peek(f"acme/{sid}").tensors
+
+
+def open_session(worker: Worker, sid: str, spec: str) -> None:
+    make, recompress = POLICIES[spec]
+    worker.open("acme", sid, DOCUMENT, make(), recompress, SAMPLING)
+    run_turns(worker, sid, BEFORE)
+
+
+@pytest.fixture
+def twin(tiny_engine, directory_factory):
+    """The uninterrupted run of each policy: answers after the interruption point, and its KV."""
+
+    def run(spec: str):
+        worker = make_worker(tiny_engine, directory_factory(), "twin")
+        open_session(worker, "twin", spec)
+        answers = [tokens for tokens, _ in run_turns(worker, "twin", AFTER)]
+        return answers, stored_kv(worker, "twin"), worker
+
+    return run
+
+
+def assert_same_kv(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert [t.shape for t in got] == [t.shape for t in want]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", sorted(POLICIES))
+def test_replica_kill_and_redis_wipe_rebuild_the_same_session(spec, tiny_engine, directory_factory, twin):
+    want, want_kv, twin_worker = twin(spec)
+    directory = directory_factory()
+    first = make_worker(tiny_engine, directory, "w1")
+    open_session(first, "s", spec)
+    first.stop()
+
+    # a replica kill: the next worker has nothing but Redis
+    second = make_worker(tiny_engine, directory, "w2")
+    got = run_turns(second, "s", AFTER[:1])
+    assert got[0][1] == "rebuilt" and second.counters["rebuilds"] == 1
+    # Redis wiped: the holder writes the session (token log and turn marks) back ...
+    wiped = list(directory.client.scan_iter(match=f"{directory.prefix}:*"))  # this test's keys only
+    assert directory.client.delete(*wiped) and directory.get("acme", "s") is None
+    second.heartbeat()
+    assert directory.get("acme", "s") is not None
+    # ... and a replica that never held it rebuilds it from what was written back
+    third = make_worker(tiny_engine, directory, "w3")
+    got += run_turns(third, "s", AFTER[1:])
+    assert got[1][1] == "rebuilt"
+    assert [tokens for tokens, _ in got] == want
+    assert_same_kv(stored_kv(third, "s"), want_kv)
+    if spec == "reselect":  # the full copy is rebuilt too, row for row
+        assert_same_kv(third.store.peek("acme/s/full").tensors, twin_worker.store.peek("acme/twin/full").tensors)
+
+
+@pytest.mark.parametrize("spec", sorted(POLICIES))
+def test_drain_and_demotion_keep_the_session_exact(spec, tiny_engine, directory_factory, twin):
+    want, want_kv, _ = twin(spec)
+    directory = directory_factory()
+    old = make_worker(tiny_engine, directory, "w1")
+    open_session(old, "s", spec)
+    assert old.drain() == 1
+    # the drained holder's hand-over lands on a worker whose device tier holds one session at a time
+    small = make_worker(tiny_engine, directory, "w2", device=sum(t.nbytes for t in want_kv) * 3 // 2)
+    got = run_turns(small, "s", AFTER[:1])
+    assert got[0][1] == "imported"
+    small.open("acme", "other", random_tokens(60, seed=8), make_policy("full"), sampling=SAMPLING)
+    assert small.store.tier_of("acme/s") == "host"  # demoted by the other session
+    got += run_turns(small, "s", AFTER[1:])
+    assert got[1][1] == "host"
+    assert [tokens for tokens, _ in got] == want
+    assert_same_kv(stored_kv(small, "s"), want_kv)
+
+
+def test_a_one_pass_rebuild_would_differ(tiny_engine):
+    """What the replay guards against: the same transcript prefilled and compressed once holds
+    other rows than the session that compressed turn by turn (so the tests above can fail)."""
+    make, recompress = POLICIES["snapkv"]
+    session = tiny_engine.new_session(make(), recompress)
+    tiny_engine.turn(session, DOCUMENT, SAMPLING)
+    for q in BEFORE:
+        tiny_engine.turn(session, q, SAMPLING)
+    once = tiny_engine.new_session(make(), recompress)
+    tiny_engine.rebuild(once, list(session.transcript), session.logical_len)  # no marks: one pass
+    replayed = tiny_engine.new_session(make(), recompress)
+    tiny_engine.rebuild(replayed, list(session.transcript), session.logical_len, session.marks)
+    layer = next(i for i, layer in enumerate(session.cache.layers) if hasattr(layer, "kept_len"))
+    assert torch.equal(replayed.cache.layers[layer].keys, session.cache.layers[layer].keys)
+    assert once.cache.layers[layer].keys.shape != session.cache.layers[layer].keys.shape or not torch.equal(
+        once.cache.layers[layer].keys, session.cache.layers[layer].keys
+    )
+
+
+def test_a_second_concurrent_turn_is_refused_before_any_model_work(llama_engine, directory_factory):
+    worker = make_worker(llama_engine, directory_factory(), "w1")
+    worker.open("acme", "busy", DOCUMENT, make_policy("full"), sampling=SAMPLING)
+    first = worker.turn_stream("acme", "busy", QUESTIONS[0], SAMPLING)  # claimed, not yet running
+    forwards = []
+    hook = llama_engine.model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        with pytest.raises(Conflict, match="in progress"):
+            worker.turn_stream("acme", "busy", QUESTIONS[1], SAMPLING)
+        assert forwards == []  # refused before the model ran
+    finally:
+        hook.remove()
+    assert len(list(first)) == SAMPLING.max_new_tokens
+    after = worker.turn("acme", "busy", QUESTIONS[1], SAMPLING)
+    assert after.source == "device"
+    assert worker.counters["rebuilds"] == 0 and worker.counters["conflicts"] == 0
+
+
+def test_concurrent_turns_from_two_threads_one_wins_the_other_is_refused(llama_engine, directory_factory):
+    worker = make_worker(llama_engine, directory_factory(), "w1")
+    worker.open("acme", "race", DOCUMENT, make_policy("full"), sampling=SAMPLING)
+    results, barrier = [], threading.Barrier(2)
+
+    def go(question):
+        barrier.wait()
+        try:
+            results.append(worker.turn("acme", "race", question, SamplingParams(max_new_tokens=20)).source)
+        except Conflict:
+            results.append("409")
+
+    threads = [threading.Thread(target=go, args=(q,)) for q in QUESTIONS[:2]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == ["409", "device"]
+    assert worker.turn("acme", "race", QUESTIONS[2], SAMPLING).source == "device"
+    assert worker.counters["rebuilds"] == 0
+
+
+def test_a_stream_closed_before_it_ran_frees_its_session(llama_engine, directory_factory):
+    worker = make_worker(llama_engine, directory_factory(), "w1")
+    worker.open("acme", "s", DOCUMENT, make_policy("full"), sampling=SAMPLING)
+    stream = worker.turn_stream("acme", "s", QUESTIONS[0], SAMPLING)
+    stream.close()
+    stream.close()  # idempotent: never frees a later turn's claim
+    later = worker.turn_stream("acme", "s", QUESTIONS[1], SAMPLING)
+    stream.close()
+    with pytest.raises(Conflict):
+        worker.turn_stream("acme", "s", QUESTIONS[2], SAMPLING)
+    assert len(list(later)) == SAMPLING.max_new_tokens

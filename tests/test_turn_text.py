@@ -1,0 +1,47 @@
+"""The text of a turn: the plain template's turn marker is a default stop string, and what the
+message log keeps of an answer is what the caller got back (cut at its stop string)."""
+
+from __future__ import annotations
+
+from kvsnap.actors import SamplingParams
+from kvsnap.actors.tiers import build_store
+from kvsnap.actors.worker import Worker
+from kvsnap.policies import make_policy
+from kvsnap.service.api import SessionAPI
+from kvsnap.service.config import ServiceConfig
+from kvsnap.service.template import TURN_MARKER, segment
+
+from .conftest import random_tokens
+
+
+def test_templated_turns_stop_at_the_templates_turn_marker_unless_the_request_says_otherwise():
+    api = SessionAPI(ServiceConfig(), workers=None, tokenizer=None, directory=None, metrics=None)
+    assert TURN_MARKER == "\nUser:" and segment({"role": "user", "content": "q"}).startswith(TURN_MARKER)
+    assert api.sampling({}, template=True)["stop"] == (TURN_MARKER,)
+    assert api.sampling({"stop": None}, template=True)["stop"] == (TURN_MARKER,)
+    assert api.sampling({}, template=False)["stop"] == ()  # raw text: no template, no marker
+    assert api.sampling({"stop": []}, template=True)["stop"] == ()  # asked for none
+    assert api.sampling({"stop": "END"}, template=True)["stop"] == ("END",)
+
+
+def test_the_message_log_keeps_the_answer_as_returned(llama_engine, directory_factory):
+    worker = Worker(llama_engine, directory_factory(), build_store(10**8, 10**8), "w1")
+    document = random_tokens(40, seed=3)
+    free = worker.open("acme", "free", document, make_policy("full"), sampling=SamplingParams(max_new_tokens=12))
+    stop = free.text[len(free.text) // 2 :][:2]  # a string the greedy answer is known to contain
+    assert stop and stop in free.text
+    cut = free.text[: free.text.find(stop)]
+    answer = worker.open(
+        "acme",
+        "cut",
+        document,
+        make_policy("full"),
+        sampling=SamplingParams(max_new_tokens=12, stop=(stop,)),
+        log_messages=[{"role": "prompt", "content": "doc"}],
+        answer_role="completion",
+    )
+    assert answer.finish_reason == "stop"
+    assert worker.messages("acme", "cut") == [
+        {"role": "prompt", "content": "doc"},
+        {"role": "completion", "content": cut},
+    ]
