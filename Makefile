@@ -4,9 +4,11 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.kvsnap-installed
-# The CPU build of torch lies on the dev/CI disk; asking for it by version keeps pip
-# from downloading a multi-GB CUDA build. Override on GPU machines: make TORCH=torch
+# torch by version: where pip finds the CPU build of 2.13.0 on disk (these machines) it takes
+# that; from plain PyPI on Linux x86_64 the same pin is the default build with CUDA. CPU-only
+# from PyTorch's index: make TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH   ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 ARGS    ?=
 
 .PHONY: install run generate test test-fast lint bench bench-suite reliability eval load proto clean cluster-up cluster-deploy cluster-status cluster-dashboard cluster-down
@@ -16,7 +18,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[dev]"
 	$(BIN)/python -m kvsnap.service.grpc_stubs >/dev/null
 	touch $(STAMP)

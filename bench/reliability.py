@@ -3,15 +3,19 @@ service, with nothing lost.
 
 One local Ray, one redis-server (started here, so that this script can crash, restart and
 wipe it) and one Serve app: tiny-llama, 2 worker replicas, a device and a host tier of 1 MiB
-each and a disk tier, so sessions spread over all three. Every session uses policy ``full``
-and greedy decoding, so the in-process engine tells exactly what each turn must answer; after
-every disruptive phase each session is asked its next question and must answer that (a
-session that cannot is *lost*).
+each and a disk tier, so sessions spread over all three. Half the sessions use the service's
+default policy, SnapKV (budget 128, window 16: their caches really are compressed), half policy
+``full``; all decode greedily, so an uninterrupted in-process twin tells exactly what each turn
+must answer (a rebuild replays each turn's compression, so a SnapKV session rebuilt after a
+kill, a wipe or a corrupted blob must answer like its twin too). After every disruptive phase
+each session is asked its next question and must answer that (a session that cannot is
+*lost*); the figures count each policy apart.
 
 Phases, in order:
 
 - auth:        every route and method without a key and with a wrong one: 401 / UNAUTHENTICATED
-               (health exempt).
+               (health exempt); admin routes with a tenant's key: 403, with the admin key and an
+               unknown worker id: 404, and no replica drained.
 - tenants:     another tenant reads, continues and deletes a session by every route and
                method: answered exactly like a missing id; the session is unchanged.
 - fuzz_http:   schemathesis over the whole OpenAPI schema: no 5xx.
@@ -84,6 +88,9 @@ REQUEST_TIMEOUT_S = 30  # the service's; a client waits a little longer
 CLIENT_TIMEOUT_S = REQUEST_TIMEOUT_S + 15
 RETRYABLE = {429, 503}
 KEY_A, KEY_B = "rel-" + os.urandom(12).hex(), "rel-" + os.urandom(12).hex()
+ADMIN_KEY = "rel-admin-" + os.urandom(12).hex()
+# the service's default policy (SnapKV) for this suite: small enough that ~800-token documents compress
+DEFAULTS = dict(policy="snapkv", budget=128, window=16, kernel=7, pooling="max")
 WRONG_KEY = "rel-wrong-" + os.urandom(12).hex()
 FUZZ_SESSION = "rel-fuzz"  # the fuzzers may talk to this one; the verified sessions are out of their reach
 
@@ -167,46 +174,60 @@ class Sessions:
         self.questions = {
             sid: [QUESTIONS[(i + k) % len(QUESTIONS)] for k in range(turns)] for i, sid in enumerate(self.ids)
         }
+        # even sessions: the service's default policy (they open with no settings); odd: full KV
+        self.policy = {sid: "snapkv" if i % 2 == 0 else "full" for i, sid in enumerate(self.ids)}
         self.answers: dict[str, list[str]] = {}
         self.done = dict.fromkeys(self.ids, 0)
         self.lock = threading.Lock()
 
     def reference(self) -> None:
-        """What an undisturbed service answers: the in-process engine, same template, greedy."""
+        """What an undisturbed service answers: an uninterrupted in-process twin of each session,
+        same policy, template, stop string and prefill chunk, greedy."""
         from kvsnap.actors import Engine, SamplingParams, load_model
-        from kvsnap.service.template import encode_messages
+        from kvsnap.actors.sampling import cut_at_stop
+        from kvsnap.policies import make_policy
+        from kvsnap.service.config import ServiceConfig
+        from kvsnap.service.template import TURN_MARKER, encode_messages
 
-        engine = Engine(load_model("tiny-llama"))
+        engine = Engine(load_model("tiny-llama"), prefill_chunk=ServiceConfig().prefill_chunk)
         tok = engine.tokenizer
+        snapkv = {k: v for k, v in DEFAULTS.items() if k != "policy"}
+        sampling = SamplingParams(max_new_tokens=MAX_TOKENS, stop=(TURN_MARKER,))
         for sid in self.ids:
-            session = engine.new_session("full")
+            policy = make_policy("snapkv", **snapkv) if self.policy[sid] == "snapkv" else make_policy("full")
+            session = engine.new_session(policy)
             engine.prefill(session, encode_messages(tok, [{"role": "document", "content": self.docs[sid]}], True))
             self.answers[sid] = [
-                engine.turn(
-                    session,
-                    encode_messages(tok, [{"role": "user", "content": q}], False),
-                    SamplingParams(max_new_tokens=MAX_TOKENS),
-                ).text
+                cut_at_stop(
+                    engine.turn(session, encode_messages(tok, [{"role": "user", "content": q}], False), sampling).text,
+                    (TURN_MARKER,),
+                )
                 for q in self.questions[sid]
             ]
+            if self.policy[sid] == "snapkv" and session.kept_len >= session.logical_len:
+                raise SystemExit(f"{sid}: the SnapKV twin kept every row; the suite's documents are too short")
 
 
 def open_all(client: Client, sessions: Sessions, rec: Recorder) -> None:
     """Open the verified sessions, and the one the fuzzers may use."""
     docs = dict(sessions.docs) | {FUZZ_SESSION: "A document for the fuzzers."}
     for sid, doc in docs.items():
-        r = client.request(
-            "setup", "post", "/v1/sessions", json={"session_id": sid, "document": doc, "settings": {"policy": "full"}}
-        )
+        body = {"session_id": sid, "document": doc}
+        if sessions.policy.get(sid, "full") == "full":
+            body["settings"] = {"policy": "full"}  # the others take the service's default (SnapKV)
+        r = client.request("setup", "post", "/v1/sessions", json=body)
         if r is None or r.status_code != 201:
             raise SystemExit(f"could not open {sid}: {None if r is None else r.text}")
+        if sid in sessions.policy:
+            got = r.json()["policy"].split("(")[0]
+            rec.check(got == sessions.policy[sid], f"setup: {sid} opened with {got}, want {sessions.policy[sid]}")
 
 
 def one_turn(client: Client, sessions: Sessions, sid: str, phase: str, rec: Recorder) -> str:
     """Ask ``sid`` its next question once: 'ok', 'wrong', 'retry' (a retryable failure; the
     turn did not happen) or 'error'. A failure after which the service counts the turn as done
     (it committed, then the answer was lost on the way) counts as done: with greedy decoding
-    and full KV the stored answer is the reference one."""
+    (a rebuild replays the turns as they ran) the stored answer is the reference one."""
     k = sessions.done[sid]
     if k >= len(sessions.questions[sid]):
         rec.check(False, f"{phase}: {sid} ran out of questions (the suite asks too much of one session)")
@@ -219,8 +240,13 @@ def one_turn(client: Client, sessions: Sessions, sid: str, phase: str, rec: Reco
     )
     if r is not None and r.status_code == 200:
         sessions.done[sid] += 1
+        count_source(rec, phase, sessions.policy[sid], r.json()["source"])
         ok = r.json()["text"] == sessions.answers[sid][k]
-        rec.check(ok, f"{phase}: {sid} turn {k + 1} answered {r.json()['text']!r}, want {sessions.answers[sid][k]!r}")
+        rec.check(
+            ok,
+            f"{phase}: {sid} [{sessions.policy[sid]}] turn {k + 1} answered {r.json()['text']!r}, "
+            f"want {sessions.answers[sid][k]!r}",
+        )
         return "ok" if ok else "wrong"
     if r is not None and r.status_code not in RETRYABLE:
         rec.check(False, f"{phase}: {sid} turn {k + 1}: non-retryable {r.status_code} {r.text[:200]}")
@@ -232,6 +258,13 @@ def one_turn(client: Client, sessions: Sessions, sid: str, phase: str, rec: Reco
         sessions.done[sid] += 1  # committed before the failure
         rec.figures[phase]["committed_unacknowledged"] = rec.figures[phase].get("committed_unacknowledged", 0) + 1
     return "retry"
+
+
+def count_source(rec: Recorder, phase: str, policy: str, source: str) -> None:
+    """Where the KV of each checked answer came from, per policy (a "rebuilt" one was replayed)."""
+    with rec.lock:
+        counts = rec.figures[phase].setdefault("sources_by_policy", {}).setdefault(policy, {})
+        counts[source] = counts.get(source, 0) + 1
 
 
 def verify_all(client: Client, sessions: Sessions, phase: str, rec: Recorder, patience_s: float = 60) -> dict:
@@ -252,30 +285,46 @@ def verify_all(client: Client, sessions: Sessions, phase: str, rec: Recorder, pa
             if r is not None and r.status_code == 200:
                 sessions.done[sid] += 1
                 sources[r.json()["source"]] += 1
+                count_source(rec, phase, sessions.policy[sid], r.json()["source"])
                 by_session[sid] = r.json()["source"]
                 if r.json()["text"] != sessions.answers[sid][k]:
                     lost.append(sid)
-                    rec.check(False, f"{phase}: {sid} answered {r.json()['text']!r}, want {sessions.answers[sid][k]!r}")
+                    rec.check(
+                        False,
+                        f"{phase}: {sid} [{sessions.policy[sid]}] answered {r.json()['text']!r}, "
+                        f"want {sessions.answers[sid][k]!r}",
+                    )
                 break
             if time.time() > deadline or (r is not None and r.status_code not in RETRYABLE):
                 lost.append(sid)
-                rec.check(False, f"{phase}: {sid} did not answer ({None if r is None else r.status_code})")
+                status = None if r is None else r.status_code
+                rec.check(False, f"{phase}: {sid} [{sessions.policy[sid]}] did not answer ({status})")
                 break
             time.sleep(1)
     rec.figures[phase]["verified_sessions"] = len(sessions.ids) - len(lost)
     rec.figures[phase]["sessions_lost"] = len(lost)
     rec.figures[phase]["verify_sources"] = dict(sources)
+    rec.figures[phase]["by_policy"] = {
+        policy: {
+            "verified": sum(1 for sid in sessions.ids if sessions.policy[sid] == policy and sid not in lost),
+            "lost": sum(1 for sid in lost if sessions.policy[sid] == policy),
+            "rebuilt": sum(1 for sid, src in by_session.items() if sessions.policy[sid] == policy and src == "rebuilt"),
+        }
+        for policy in sorted(set(sessions.policy.values()))
+    }
     return {"lost": lost, "sources": sources, "by_session": by_session}
 
 
 # -- phases --------------------------------------------------------------------------------------
 
 
-def phase_auth(client: Client, grpc_addr: str, rec: Recorder) -> None:
+def phase_auth(client: Client, grpc_addr: str, redis_url: str, rec: Recorder) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from kvsnap.actors.directory import SessionDirectory
     from kvsnap.service.grpc_stubs import pb2
+    from kvsnap.service.ingress import ADMIN_PREFIX
 
     schema = requests.get(client.http + "/openapi.json", timeout=10).json()
     routes = 0
@@ -291,6 +340,13 @@ def phase_auth(client: Client, grpc_addr: str, rec: Recorder) -> None:
                     status is not None and ((status != 401) if want_open else (status == 401)),
                     f"auth: {method.upper()} {path} with key={key and 'wrong'} answered {status}",
                 )
+            if path.startswith(ADMIN_PREFIX):  # a tenant's key never opens an admin route
+                probes = (("tenant", KEY_A, 403), ("other tenant", KEY_B, 403), ("admin", ADMIN_KEY, 404))
+                for who, key, want in probes:  # "rel-000" is no worker's id: 404, nothing drained
+                    r = client.request("auth", method, concrete, key=key, json={})
+                    status = None if r is None else r.status_code
+                    rec.check(status == want, f"auth: {method.upper()} {path}, {who} key: {status}, want {want}")
+                    rec.figures["auth"]["admin_route_checks"] = rec.figures["auth"].get("admin_route_checks", 0) + 1
     channel = grpc.insecure_channel(grpc_addr)
     service = pb2.DESCRIPTOR.services_by_name["Kvsnap"]
     for method in service.methods:
@@ -304,6 +360,8 @@ def phase_auth(client: Client, grpc_addr: str, rec: Recorder) -> None:
             )
             rec.call("auth", f"grpc:{code}", 0.0)
             rec.check(code == "UNAUTHENTICATED", f"auth: gRPC {method.name} without a valid key: {code}")
+    loads = SessionDirectory(redis_url).loads()
+    rec.check(loads and not any(w["draining"] for w in loads.values()), f"auth: a replica was drained: {loads}")
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
     rec.check(health.status == health_pb2.HealthCheckResponse.SERVING, "auth: gRPC health needs no key")
     rec.figures["auth"]["http_route_checks"] = routes
@@ -738,7 +796,7 @@ def phase_logs(data_dir: Path, rec: Recorder) -> None:
             if path.is_file() and path.suffix not in (".safetensors", ".aof", ".rdb"):
                 scanned += 1
                 text = path.read_bytes()
-                for key in (KEY_A, KEY_B, WRONG_KEY):
+                for key in (KEY_A, KEY_B, WRONG_KEY, ADMIN_KEY):
                     if key.encode() in text:
                         hits.append(str(path))
     rec.figures["logs"] = {"files_scanned": scanned, "files_with_a_key": len(hits)}
@@ -766,6 +824,7 @@ def start(data_dir: Path):
     from harness import start_service
 
     from kvsnap.actors.redis_server import EmbeddedRedis
+    from kvsnap.service.config import PolicyDefaults
 
     redis = EmbeddedRedis(data_dir / "redis").start()
     ray.init(num_cpus=3, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
@@ -774,6 +833,8 @@ def start(data_dir: Path):
         data_dir=str(data_dir),
         model="tiny-llama",
         api_keys={KEY_A: "alpha", KEY_B: "beta"},
+        admin_keys=[ADMIN_KEY],
+        defaults=PolicyDefaults(**DEFAULTS),
         device_tier_mib=1,
         host_tier_mib=1,
         disk_tier_mib=64,
@@ -808,7 +869,7 @@ def main(argv: list[str] | None = None) -> int:
     client = Client(f"http://127.0.0.1:{cfg.http_port}", rec)
     grpc_addr = f"127.0.0.1:{cfg.grpc_port}"
     phases = [
-        ("auth", lambda: phase_auth(client, grpc_addr, rec)),
+        ("auth", lambda: phase_auth(client, grpc_addr, redis.url, rec)),
         ("setup", lambda: open_all(client, sessions, rec)),
         ("tenants", lambda: phase_tenants(client, grpc_addr, sessions, rec)),
         ("fuzz_http", lambda: phase_fuzz_http(client, out_dir, params["fuzz_examples"], rec)),
@@ -841,12 +902,28 @@ def main(argv: list[str] | None = None) -> int:
     phase_logs(data_dir, rec)
     summary = rec.summary()
     lost = sum(v.get("sessions_lost", 0) for v in summary.values())
+    by_policy = {
+        policy: {
+            "sessions": sum(1 for sid in sessions.ids if sessions.policy[sid] == policy),
+            "lost": sum(v.get("by_policy", {}).get(policy, {}).get("lost", 0) for v in summary.values()),
+            # checked answers, each equal to the uninterrupted twin's, by where their KV came from
+            "answers_by_source": dict(
+                sum(
+                    (Counter(v.get("sources_by_policy", {}).get(policy, {})) for v in summary.values()),
+                    Counter(),
+                )
+            ),
+            "wrong_answers": sum(1 for f in rec.failures if f"[{policy}]" in f),
+        }
+        for policy in sorted(set(sessions.policy.values()))
+    }
     report = {
         "mode": "quick" if args.quick else "long",
         "params": params,
         "elapsed_s": round(time.perf_counter() - started, 1),
         "sessions": len(sessions.ids),
         "sessions_lost": lost,
+        "by_policy": by_policy,
         "requests": sum(v.get("requests", 0) for v in summary.values()),
         "faults": {
             "replicas_killed": summary.get("kill", {}).get("replicas_killed", 0),
@@ -869,6 +946,7 @@ def format_table(report: dict) -> str:
         f"\nreliability ({report['mode']}): {report['requests']} requests, {report['sessions']} verified sessions, "
         f"{report['sessions_lost']} lost, {len(report['failures'])} failed checks, {report['elapsed_s']:.0f}s",
         f"faults: {report['faults']}",
+        f"by policy: {report['by_policy']}",
         f"{'phase':18}{'requests':>9}{'max s':>8}  statuses / figures",
     ]
     for phase, s in report["phases"].items():

@@ -24,6 +24,11 @@ def test_quick_reliability_suite_loses_nothing(tmp_path):
     phases = report["phases"]
 
     assert report["sessions_lost"] == 0 and report["sessions"] >= 16
+    # the default policy (SnapKV) is verified turn by turn against uninterrupted twins, like full KV
+    policies = report["by_policy"]
+    assert set(policies) == {"full", "snapkv"} and policies["snapkv"]["sessions"] >= 8
+    assert all(p["lost"] == 0 and p["wrong_answers"] == 0 for p in policies.values()), policies
+    assert policies["snapkv"]["answers_by_source"].get("rebuilt", 0) >= 2  # kills and corrupted blobs: replayed
     for name in ("corrupt", "kill-verify", "redis-restarted", "redis-wiped", "final"):
         assert phases[name]["verified_sessions"] == report["sessions"], name  # every one asked, every one right
     faults = report["faults"]
@@ -43,4 +48,5 @@ def test_quick_reliability_suite_loses_nothing(tmp_path):
     assert set(grpc_codes) <= {"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "NOT_FOUND"}
     assert grpc_codes["INVALID_ARGUMENT"] > 0 and grpc_codes["RESOURCE_EXHAUSTED"] > 0
     assert phases["auth"]["by_status"]["401"] == phases["auth"]["http_route_checks"] - 2  # all but /health x2
+    assert phases["auth"]["admin_route_checks"] == 3 and phases["auth"]["by_status"]["403"] == 2
     assert phases["logs"]["files_scanned"] > 10 and phases["logs"]["files_with_a_key"] == 0
