@@ -1,7 +1,7 @@
 """The per-session KV cache: a transformers ``DynamicCache`` whose full-attention
 layers can be compressed in place.
 
-Two lengths per session (see DESIGN.md): ``logical_len`` is how many tokens the
+Two lengths per session: ``logical_len`` is how many tokens the
 session has seen (the next RoPE position); ``kept_len`` is how many rows a full
 layer physically holds. :class:`CompressedLayer` reports ``logical_len`` as its
 sequence length and places its kept rows just before the new tokens in mask

@@ -1,4 +1,4 @@
-"""Per-turn re-selection benchmark (issue: reselect), measured side by side in one run.
+"""Per-turn re-selection benchmark (recompress="reselect"), measured side by side in one run.
 
 At each --lengths, on the embedded model, one follow-up turn (a question, --new-tokens
 generated) on:

@@ -1,4 +1,4 @@
-"""Service overhead benchmark (issue: Ray Serve service), measured side by side in one run.
+"""Service overhead benchmark (Ray Serve, HTTP and gRPC), measured side by side in one run.
 
 The same small turn on a held session in-process, over HTTP and over gRPC (median of
 --reps, interleaved; tiny-llama by default so model time does not drown the overhead).

@@ -1,4 +1,4 @@
-"""What compression buys, measured side by side against a real local service (issue: load tests).
+"""What compression buys, measured side by side against a real local service (load tests).
 
 Phases (each in its own process with its own local Ray, embedded Redis and Serve app):
 

@@ -1,4 +1,4 @@
-"""Tiers benchmark (issue: tiered store), measured side by side in one run.
+"""Tiered session store benchmark, measured side by side in one run.
 
 1. Sessions resident in a fixed device-tier budget at --context tokens: SnapKV
    (--budget) vs full KV. Real blobs of one real session each way are put into a
@@ -6,16 +6,21 @@
 2. Bringing a session back: promote host -> device (with checksum check) vs
    rebuild by re-prefilling its transcript.
 
-Usage: python bench/tiers_bench.py [--context 8192] [--budget 512] [--device-mib 256]
+Usage: python bench/tiers_bench.py [--context 8192] [--budget 512] [--device-mib 256] [--reps 3] [--out PATH]
+Writes the JSON to --out (default bench/results/tiers_bench.json, not committed) and prints a summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
+import sys
 import time
 from pathlib import Path
+
+import torch
 
 from kvsnap.actors import Engine, SamplingParams, load_model
 from kvsnap.actors.cache import export_kv
@@ -73,6 +78,9 @@ def main() -> None:
         "device_budget_bytes": budget,
         "kv_bytes_full": blobs["full"].nbytes,
         "kv_bytes_snapkv": blobs["snapkv"].nbytes,
+        # measured: rows a full-attention layer of each session holds after its turn
+        "full_attention_rows_full": sessions["full"].kept_len,
+        "full_attention_rows_snapkv": sessions["snapkv"].kept_len,
         "resident_full": counts["full"],
         "resident_snapkv": counts["snapkv"],
         "resident_gain": counts["snapkv"] / max(1, counts["full"]),
@@ -82,7 +90,16 @@ def main() -> None:
     summary["promote_speedup"] = summary["rebuild_s"] / summary["promote_host_to_device_s"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
-        json.dumps({"args": vars(args), "device": str(engine.device), "summary": summary}, indent=2)
+        json.dumps(
+            {
+                "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                "args": vars(args),
+                "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+                "device": str(engine.device),
+                "summary": summary,
+            },
+            indent=2,
+        )
     )
     print(
         f"\n{args.model}, {len(prompt)} prompt tokens, device tier {args.device_mib} MiB, SnapKV budget {args.budget}"
@@ -90,11 +107,16 @@ def main() -> None:
     print(
         f"KV per session: full {blobs['full'].nbytes / 2**20:.2f} MiB, SnapKV {blobs['snapkv'].nbytes / 2**20:.2f} MiB"
     )
+    print(
+        f"rows per full-attention layer: full {summary['full_attention_rows_full']:,}, "
+        f"SnapKV {summary['full_attention_rows_snapkv']:,}"
+    )
     print(f"sessions resident: full {counts['full']}, SnapKV {counts['snapkv']} ({summary['resident_gain']:.2f}x)")
     print(
         f"promote host->device {summary['promote_host_to_device_s'] * 1e3:.1f} ms vs rebuild "
         f"{summary['rebuild_s'] * 1e3:.0f} ms ({summary['promote_speedup']:.0f}x faster), median of {args.reps}"
     )
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

