@@ -165,6 +165,13 @@ def session_key(prefix: str, tenant: str, session_id: str) -> str:
     return f"{prefix}:s:{check_id('tenant', tenant)}:{check_id('session id', session_id)}"
 
 
+async def owner_of(aclient, prefix: str, tenant: str, session_id: str) -> str:
+    """The worker a session's entry names as its holder ("" when none), read through an asyncio
+    Redis client (the router's): the directory's layout stays in this module."""
+    owner = await aclient.hget(session_key(prefix, tenant, session_id), "owner")
+    return owner.decode() if owner else ""
+
+
 def _pack_messages(messages: list[dict] | None) -> str:
     return json.dumps(messages) if messages else ""
 

@@ -25,6 +25,7 @@ from kvsnap.policies import Policy, gather_rows, make_policy, step_attention, wi
 
 from .cache import CompressedLayer, full_layer_indices, new_session_cache
 from .capture import WindowCapture
+from .detok import Detokenizer
 from .models import LoadedModel
 from .sampling import SamplingParams, sample_next
 from .session import Session, TurnMark, TurnReport, marks_cover
@@ -48,9 +49,15 @@ class TurnStream:
     report: TurnReport | None = None
     source: str = ""  # set by a worker: where the KV came from (device / host / disk / rebuilt / new)
     on_close: Callable[[], None] | None = None  # set by a worker: give the session back (idempotent)
+    detok: Detokenizer | None = None  # the answer's text as it grows, cut at the first stop string
 
     def __iter__(self) -> Iterator[int]:
         return self.tokens
+
+    @property
+    def text(self) -> str:
+        """The answer's text as a caller gets it: up to the first stop string (without it)."""
+        return self.detok.text if self.detok is not None else ""
 
     def close(self) -> None:
         """Stop generating (the client went away); the session stays consistent. A stream that
@@ -111,8 +118,8 @@ class Engine:
         consistent: every yielded token is in the transcript. ``sampling=None`` only
         prefills (e.g. a document opening a session).
         """
-        self._validate(session, tokens, sampling)  # before any model work
-        out = TurnStream()
+        self.check(session, tokens, sampling)  # before any model work
+        out = TurnStream(detok=Detokenizer(self.tokenizer, sampling.stop) if sampling is not None else None)
         out.tokens = self._stream(session, list(tokens), sampling, out)
         return out
 
@@ -132,6 +139,8 @@ class Engine:
                     ttft = time.perf_counter() - started
                 yield token
         finally:
+            if out.detok is not None:
+                out.detok.finish()
             session.turns += 1
             mark.generated, mark.logical_len = generated, session.logical_len
             session.marks.append(mark)
@@ -280,6 +289,7 @@ class Engine:
     ) -> Iterator[int]:
         """Sample from ``logits``, feed each token back, until EOS, a stop string or the token limit."""
         generator = sampling.generator()
+        detok = out.detok if out.detok is not None else Detokenizer(self.tokenizer, sampling.stop)
         generated: list[int] = []
         out.finish_reason = "length"
         while True:
@@ -289,8 +299,9 @@ class Engine:
                 return
             session.transcript.append(token)
             generated.append(token)
+            detok.add(token)
             yield token
-            if sampling.stop and any(s in self.decode(generated) for s in sampling.stop):
+            if detok.stopped:  # a stop string appeared (the tokens up to it stay in the session)
                 out.finish_reason = "stop"
                 return
             if len(generated) >= sampling.max_new_tokens:
@@ -310,7 +321,8 @@ class Engine:
         return self._decode_step(session)
 
     # -- checks and references -----------------------------------------------------------
-    def _validate(self, session: Session, tokens: list[int], sampling: SamplingParams) -> None:
+    def check(self, session: Session, tokens: list[int], sampling: SamplingParams | None) -> None:
+        """Raise InvalidArgument when ``tokens`` and ``sampling`` cannot run on ``session`` (no model work)."""
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise InvalidArgument("sampling must be a SamplingParams")
         if session.model_fingerprint != self.loaded.fingerprint:

@@ -64,7 +64,7 @@ from kvsnap.service.config import ray_environment
 ray_environment()  # the Ray Serve data path `kvsnap serve` uses, set before Ray is imported
 
 from kvsnap.service.app import wait_for_workers  # noqa: E402
-from kvsnap.service.ingress import OPEN_PATHS  # noqa: E402
+from kvsnap.service.auth import OPEN_PATHS  # noqa: E402
 
 QUICK = dict(
     sessions=20, turns_kill=3, kill_every_s=6.0, kill_duration_s=25, redis_down_s=4, fuzz_examples=5, grpc_cases=160
@@ -324,7 +324,7 @@ def phase_auth(client: Client, grpc_addr: str, redis_url: str, rec: Recorder) ->
 
     from kvsnap.actors.directory import SessionDirectory
     from kvsnap.service.grpc_stubs import pb2
-    from kvsnap.service.ingress import ADMIN_PREFIX
+    from kvsnap.service.auth import ADMIN_PREFIX
 
     schema = requests.get(client.http + "/openapi.json", timeout=10).json()
     routes = 0

@@ -20,8 +20,8 @@ import ray.exceptions
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from kvsnap.actors.directory import SessionDirectory, check_id
-from kvsnap.actors.sampling import SamplingParams, cut_at_stop
-from kvsnap.actors.session import check_recompress
+from kvsnap.actors.sampling import SamplingParams
+from kvsnap.actors.turns import SessionSpec, TurnRequest
 from kvsnap.errors import (
     Conflict,
     DeadlineExceeded,
@@ -81,7 +81,7 @@ class SessionAPI:
         self.metrics = metrics
 
     # -- validation (no model work) --------------------------------------------------------
-    def settings(self, given: dict | None, prompt_len: int) -> dict:
+    def settings(self, given: dict | None, prompt_len: int) -> SessionSpec:
         """Server defaults overlaid with the caller's settings; raises InvalidArgument when bad.
 
         A server-default window longer than the first prompt shrinks to the prompt; a window
@@ -102,10 +102,9 @@ class SessionAPI:
             if unused:
                 raise InvalidArgument(f"decode policy {decode.get('policy')!r} takes no {sorted(unused)}")
             params["decode"] = decode
-        check_recompress(make_policy(name, **params), recompress)  # validates every parameter
-        return {"policy": name, "recompress": recompress, **params}
+        return SessionSpec(make_policy(name, **params), recompress)  # validates every parameter
 
-    def sampling(self, fields: dict, template: bool = False) -> dict:
+    def sampling(self, fields: dict, template: bool = False) -> SamplingParams:
         """Sampling parameters from a request's fields. ``template``: the prompt used the plain
         template, whose turn marker is then a stop string unless the request names its own
         ``stop`` (an empty list: none), so that a base model's answer does not run on into a
@@ -120,16 +119,14 @@ class SessionAPI:
         stop = fields.get("stop")
         if stop is None:
             stop = (TURN_MARKER,) if template else ()
-        params = {
-            "max_new_tokens": max_tokens,
-            "temperature": 0.0 if fields.get("temperature") is None else fields["temperature"],
-            "top_p": 1.0 if fields.get("top_p") is None else fields["top_p"],
-            "top_k": fields.get("top_k") or 0,
-            "seed": fields.get("seed"),
-            "stop": (stop,) if isinstance(stop, str) else tuple(stop),
-        }
-        SamplingParams(**params)  # raises InvalidArgument
-        return params
+        return SamplingParams(  # raises InvalidArgument
+            max_new_tokens=max_tokens,
+            temperature=0.0 if fields.get("temperature") is None else fields["temperature"],
+            top_p=1.0 if fields.get("top_p") is None else fields["top_p"],
+            top_k=fields.get("top_k") or 0,
+            seed=fields.get("seed"),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        )
 
     def tokens(self, messages: list[dict], first: bool) -> list[int]:
         return self._limit(encode_messages(self.tokenizer, messages, first))
@@ -176,7 +173,7 @@ class SessionAPI:
         role, answer = ("prompt", "completion") if raw else ("user", "assistant")
         new = [{"role": role, "content": message}]
         tokens = self.raw_tokens(message, first=False) if raw else self.tokens(new, first=False)
-        return self._stream("turn", tenant, sid, protocol, tokens, params, new, answer, streaming=streaming)
+        return self._stream(self._turn(tenant, sid, tokens, params, new, answer), protocol, streaming)
 
     async def get(self, tenant: str, session_id: str) -> dict:
         entry = await asyncio.to_thread(self.directory.get, tenant, check_id("session id", session_id))
@@ -221,17 +218,8 @@ class SessionAPI:
                 "earlier messages unchanged, then the new ones"
             )
         new = messages[len(stored) :]
-        return self._stream(
-            "turn",
-            tenant,
-            session_id,
-            protocol,
-            self.tokens(new, first=False),
-            params,
-            new,
-            "assistant",
-            streaming=streaming,
-        )
+        req = self._turn(tenant, session_id, self.tokens(new, first=False), params, new, "assistant")
+        return self._stream(req, protocol, streaming)
 
     def complete(
         self,
@@ -269,18 +257,15 @@ class SessionAPI:
                 "and completions, as returned) and add new text"
             )
         new = prompt[len(transcript) :]
-        tokens = self.raw_tokens(new, first=False)
-        return self._stream(
-            "turn",
+        req = self._turn(
             tenant,
             session_id,
-            protocol,
-            tokens,
+            self.raw_tokens(new, first=False),
             params,
             [{"role": "prompt", "content": new}],
             "completion",
-            streaming=streaming,
         )
+        return self._stream(req, protocol, streaming)
 
     async def stored_messages(self, tenant: str, session_id: str | None) -> list[dict] | None:
         """The session's message log, or None when this tenant has no such session (yet)."""
@@ -300,30 +285,23 @@ class SessionAPI:
         protocol: str,
         tokens: list[int],
         settings: dict | None,
-        sampling: dict | None,
+        sampling: SamplingParams | None,
         log: list[dict],
         answer_role: str | None,
         streaming: bool,
     ):
         """A new session from its first tokens: settings resolved and checked before any model work
         (the worker's engine checks the window against the prompt, before it writes anything)."""
-        resolved = self.settings(settings, len(tokens))
-        return self._stream(
-            "open",
-            tenant,
-            self.session_id(session_id),
-            protocol,
-            tokens,
-            resolved,
-            sampling,
-            log,
-            answer_role,
-            streaming=streaming,
-        )
+        spec = self.settings(settings, len(tokens))
+        req = TurnRequest(tenant, self.session_id(session_id), tokens, sampling, spec, log, answer_role)
+        return self._stream(req, protocol, streaming)
 
-    async def _stream(
-        self, method: str, tenant: str, sid: str, protocol: str, tokens: list[int], *args, streaming: bool = True
-    ):
+    @staticmethod
+    def _turn(tenant, session_id, tokens, sampling, log, answer_role) -> TurnRequest:
+        """A turn on an existing session, with an id of its own (see the retry rule in _stream)."""
+        return TurnRequest(tenant, session_id, tokens, sampling, None, log, answer_role, uuid.uuid4().hex)
+
+    async def _stream(self, req: TurnRequest, protocol: str, streaming: bool = True):
         """Events from the worker: {"text": delta, "ids": [token ids]} for the tokens that came in
         one batch (one token while the model is slow, several when it outpaces the hop back),
         then {"done": ..., "outcome": ...}.
@@ -331,32 +309,24 @@ class SessionAPI:
         ``streaming=False`` fetches the whole turn in one call (one Ray round trip instead of
         one per token). A replica that dies before the first event is retried (the router
         then moves the session)."""
-        key = f"{tenant}/{sid}"
-        sampling = args[0] if method == "turn" else args[1]  # open: (settings, sampling | None, ...)
-        stop = tuple((sampling or {}).get("stop", ()))
+        tenant, sid, key = req.tenant, req.session_id, req.key
         started = time.perf_counter()
         first_token_at = None
         ids: list[int] = []
         unsent: list[int] = []  # token ids not yet sent with a text delta
-        emitted = ""
         deadline = time.monotonic() + self.cfg.request_timeout_s
         retry_until = time.monotonic() + min(RETRY_WINDOW_S, self.cfg.request_timeout_s)
         # a turn is retried only if it was not committed: a replica can die after its commit and
         # before its answer arrives, and a second attempt would apply the turn twice. The commit
         # stores the turn's id (the entry's last_turn); only a failure costs a directory read.
-        turn_id = uuid.uuid4().hex if method == "turn" else ""
-        if turn_id:
-            args = (*args, turn_id)
+        turn_id = req.turn_id
         for attempt in itertools.count():
             got_event = False
             try:
                 if streaming:
-                    handle = self.workers.options(session_id=key, stream=True)
-                    gen = getattr(handle, method).remote(tenant, sid, tokens, *args)
+                    gen = self.workers.options(session_id=key, stream=True).turn.remote(req)
                 else:
-                    gen = getattr(self.workers.options(session_id=key), f"{method}_once").remote(
-                        tenant, sid, tokens, *args
-                    )
+                    gen = self.workers.options(session_id=key).turn_once.remote(req)
                 async with asyncio.timeout(max(0.01, deadline - time.monotonic())):
                     async for batch in gen if streaming else _aiter([await gen]):
                         got_event = True
@@ -367,14 +337,12 @@ class SessionAPI:
                             if first_token_at is None:
                                 first_token_at = time.perf_counter()
                                 self.metrics.ttft.labels(protocol).observe(first_token_at - started)
-                            text = cut_at_stop(self.tokenizer.decode(ids, skip_special_tokens=True), stop)
-                            # an incomplete UTF-8 character at the end waits for the next token
-                            if not text.endswith("\ufffd") and len(text) > len(emitted):
-                                delta, emitted = text[len(emitted) :], text
-                                yield {"text": delta, "ids": unsent}
-                                unsent = []
+                        delta = "".join(event["d"] for event in batch if "d" in event)  # the worker's text
+                        if delta:
+                            yield {"text": delta, "ids": unsent}
+                            unsent = []
                         if "done" in batch[-1]:
-                            outcome = self._outcome(sid, ids, stop, batch[-1], len(tokens), started, first_token_at)
+                            outcome = self._outcome(sid, ids, batch[-1], started, first_token_at)
                             yield {"done": True, "outcome": outcome}
                 return
             except (GeneratorExit, asyncio.CancelledError):
@@ -394,7 +362,7 @@ class SessionAPI:
                             "was lost); read the session (GET) before sending it again"
                         ) from None
                 if retry and time.monotonic() < retry_until:
-                    log.warning("%s of %s failed before any output (%s); retrying", method, key, error)
+                    log.warning("turn of %s failed before any output (%s); retrying", key, error)
                     await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
                     continue
                 raise error from None
@@ -407,11 +375,8 @@ class SessionAPI:
         except Unavailable:
             return None
 
-    def _outcome(self, sid, ids, stop, event, prompt_tokens, started, first_token_at) -> TurnOutcome:
-        full = self.tokenizer.decode(ids, skip_special_tokens=True)
-        text = cut_at_stop(full, stop)
-        finish = "stop" if text != full else event["finish_reason"]
-        report = event["report"]
+    def _outcome(self, sid, ids, event, started, first_token_at) -> TurnOutcome:
+        text, finish, report = event["text"], event["finish_reason"], event["report"]
         self.metrics.record_turn(report, time.perf_counter() - (first_token_at or started))
         prefilled = report["prompt_tokens"]  # this turn's new tokens plus the previous answer's last one
         timings = {k: report[k] for k in ("prefill_s", "reselect_s", "decode_s", "ttft_s")}

@@ -17,9 +17,9 @@ from grpc_reflection.v1alpha import reflection
 
 from kvsnap.errors import InvalidArgument, KvsnapError
 
-from .api import state_view
+from .api import as_kvsnap_error, state_view
+from .auth import tenant_for
 from .grpc_stubs import pb2, pb2_grpc
-from .ingress import tenant_for
 from .status import grpc_status
 
 log = logging.getLogger(__name__)
@@ -83,22 +83,18 @@ class KvsnapServicer(pb2_grpc.KvsnapServicer):
         self.ingress.metrics.requests.labels(f"grpc:{method}", grpc_status(error).name).inc()
         await context.abort(grpc_status(error), error.message)
 
+    # The handlers raise kvsnap errors; kvsnap_handlers (below) turns them into statuses, in one place.
     async def CreateSession(self, request, context):
-        try:
-            view = await self.api.create(
-                self._tenant(context), request.session_id or None, request.document, _settings(request.settings), "grpc"
-            )
-        except KvsnapError as exc:
-            await self._fail(context, exc, "CreateSession")
-        self.ingress.metrics.requests.labels("grpc:CreateSession", "OK").inc()
+        view = await self.api.create(
+            self._tenant(context), request.session_id or None, request.document, _settings(request.settings), "grpc"
+        )
         return _state(view)
 
     async def Turn(self, request, context):
-        events = None
+        events = self.api.turn(
+            self._tenant(context), request.session_id, request.message, _sampling(request.sampling), False, "grpc"
+        )
         try:
-            events = self.api.turn(
-                self._tenant(context), request.session_id, request.message, _sampling(request.sampling), False, "grpc"
-            )
             async for event in events:
                 if "text" in event:
                     yield pb2.TurnChunk(text=event["text"], token_ids=event["ids"])
@@ -113,25 +109,14 @@ class KvsnapServicer(pb2_grpc.KvsnapServicer):
                         worker=o.worker,
                         source=o.source,
                     )
-        except KvsnapError as exc:
-            await self._fail(context, exc, "Turn")
         finally:
-            if events is not None:
-                await events.aclose()  # client cancelled: stops generation
-        self.ingress.metrics.requests.labels("grpc:Turn", "OK").inc()
+            await events.aclose()  # client cancelled: stops generation
 
     async def GetSession(self, request, context):
-        try:
-            view = await self.api.get(self._tenant(context), request.session_id)
-        except KvsnapError as exc:
-            await self._fail(context, exc, "GetSession")
-        return _state(view)
+        return _state(await self.api.get(self._tenant(context), request.session_id))
 
     async def DeleteSession(self, request, context):
-        try:
-            await self.api.delete(self._tenant(context), request.session_id)
-        except KvsnapError as exc:
-            await self._fail(context, exc, "DeleteSession")
+        await self.api.delete(self._tenant(context), request.session_id)
         return pb2.DeleteResponse(deleted=True)
 
 
@@ -161,22 +146,36 @@ def kvsnap_handlers(servicer: KvsnapServicer) -> grpc.GenericRpcHandler:
     service = pb2.DESCRIPTOR.services_by_name["Kvsnap"]
 
     def guarded(method, streaming: bool):
-        async def first_checks(request, context) -> None:
-            try:
-                servicer._tenant(context)
-                if isinstance(request, Malformed):
-                    raise InvalidArgument(request.error)
-            except KvsnapError as exc:
-                await servicer._fail(context, exc, method.__name__)
+        """``method`` with the key and the body checked first, and every error it raises
+        answered with its status (the one place gRPC maps kvsnap errors)."""
+        name = method.__name__
+
+        def first_checks(request, context) -> None:
+            servicer._tenant(context)
+            if isinstance(request, Malformed):
+                raise InvalidArgument(request.error)
 
         async def unary(request, context):
-            await first_checks(request, context)
-            return await method(request, context)
+            try:
+                first_checks(request, context)
+                response = await method(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to a status here
+                await servicer._fail(context, as_kvsnap_error(exc), name)
+            servicer.ingress.metrics.requests.labels(f"grpc:{name}", "OK").inc()
+            return response
 
         async def stream(request, context):
-            await first_checks(request, context)
-            async for item in method(request, context):
-                yield item
+            try:
+                first_checks(request, context)
+                async for item in method(request, context):
+                    yield item
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to a status here
+                await servicer._fail(context, as_kvsnap_error(exc), name)
+            servicer.ingress.metrics.requests.labels(f"grpc:{name}", "OK").inc()
 
         return stream if streaming else unary
 

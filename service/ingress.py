@@ -10,7 +10,6 @@ so both protocols answer every error with matching status codes.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -25,13 +24,15 @@ from starlette.datastructures import Headers
 
 from kvsnap.actors.directory import SessionDirectory
 from kvsnap.actors.models import tokenizer_for
-from kvsnap.errors import InvalidArgument, KvsnapError, PayloadTooLarge, PermissionDenied, Unauthenticated
+from kvsnap.errors import InvalidArgument, KvsnapError, PayloadTooLarge
 
 from .api import DRAIN_RESUME_S, SessionAPI, TurnOutcome, as_kvsnap_error, state_view
+from .auth import ADMIN_PREFIX, OPEN_PATHS, check_admin, tenant_for
 from .config import ServiceConfig
+from .grpc_server import start_grpc_server
 from .metrics import Metrics
 from .schemas import ChatCompletionRequest, CompletionRequest, CreateSession, SessionState, Turn, TurnAnswer
-from .status import error_body, http_status
+from .status import error_body, http_status, retry_after
 
 log = logging.getLogger(__name__)
 
@@ -41,59 +42,18 @@ app = FastAPI(
     description="Long-context sessions with SnapKV-compressed KV caches and cache-affinity routing. "
     "Authenticate with `Authorization: Bearer <API key>`.",
 )
-_INGRESS: Ingress | None = None  # the replica's one Ingress (routes are module functions)
 
 
-def _current() -> Ingress:
-    if _INGRESS is None:
+def _current(app) -> Ingress:
+    """The Ingress serving ``app`` (it puts itself into the app's state when it starts)."""
+    ingress = getattr(app.state, "ingress", None)
+    if ingress is None:
         raise KvsnapError("ingress not initialised")
-    return _INGRESS
-
-
-OPEN_PATHS = {"/health", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
-ADMIN_PREFIX = "/v1/admin/"
-ADMIN = "<admin>"  # request.state.tenant of an admin call (never a tenant name: not a valid id)
-
-
-def _bearer(authorization: str | None) -> bytes:
-    if not authorization or not authorization.lower().startswith("bearer "):
-        raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>'")
-    return authorization[7:].strip().encode()
-
-
-def _match(given: bytes, keys) -> str | None:
-    """The value of the key in ``keys`` (key -> value) equal to ``given``; every key is compared, in constant time."""
-    found = None
-    for key, value in keys.items():
-        if hmac.compare_digest(given, key.encode()):
-            found = value
-    return found
-
-
-def tenant_for(keys: dict[str, str], authorization: str | None) -> str:
-    """The tenant of a ``Bearer`` key."""
-    tenant = _match(_bearer(authorization), keys)
-    if tenant is None:
-        raise Unauthenticated("invalid API key")
-    return tenant
-
-
-def check_admin(cfg: ServiceConfig, authorization: str | None) -> str:
-    """Admin routes take admin keys only: a tenant's key gets PermissionDenied, as does every key
-    while no admin key is configured (admin routes off)."""
-    given = _bearer(authorization)
-    if _match(given, dict.fromkeys(cfg.admin_keys, ADMIN)) is not None:
-        return ADMIN
-    if _match(given, cfg.api_keys) is None:
-        raise Unauthenticated("invalid API key")
-    if not cfg.admin_keys:
-        raise PermissionDenied("admin routes are off: no admin key is configured (KVSNAP_ADMIN_KEYS)")
-    raise PermissionDenied("admin routes take an admin key; a tenant's API key cannot use them")
+    return ingress
 
 
 def error_response(error: KvsnapError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if error.kind in ("resource_exhausted", "unavailable") else None
-    return JSONResponse(error_body(error), status_code=http_status(error), headers=headers)
+    return JSONResponse(error_body(error), status_code=http_status(error), headers=retry_after(error))
 
 
 @app.exception_handler(KvsnapError)
@@ -121,7 +81,7 @@ class Edge:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        ingress: Ingress = _current()
+        ingress: Ingress = _current(scope["app"])
         route = scope["path"].removeprefix(scope.get("root_path", ""))
         status = 500  # unless a response starts
 
@@ -189,7 +149,7 @@ def _route_label(path: str) -> str:
 
 
 def _api(request: Request) -> SessionAPI:
-    return _current().api
+    return _current(request.app).api
 
 
 @app.get("/health", summary="liveness (no auth)")
@@ -199,7 +159,7 @@ async def health():
 
 @app.get("/metrics", summary="Prometheus metrics")
 async def metrics(request: Request):
-    body = await asyncio.to_thread(_current().metrics.render)
+    body = await asyncio.to_thread(_current(request.app).metrics.render)
     return Response(body, media_type="text/plain; version=0.0.4")
 
 
@@ -251,7 +211,7 @@ async def drain_worker(worker_id: str, request: Request, resume_after_s: float =
 
 @app.get("/v1/models", summary="OpenAI-compatible model list")
 async def models(request: Request):
-    name = _current().cfg.model
+    name = _current(request.app).cfg.model
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvsnap"}]}
 
 
@@ -343,7 +303,7 @@ async def _sse(events, shape, request: Request, done_marker: bool = False) -> St
 
 
 async def _openai(events, request: Request, sid: str | None, chat: bool, stream: bool):
-    ingress: Ingress = _current()
+    ingress: Ingress = _current(request.app)
     created, rid = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     kind = "chat.completion" if chat else "text_completion"
     headers = {"x-session-id": sid} if sid else {}
@@ -408,7 +368,7 @@ async def _openai(events, request: Request, sid: str | None, chat: bool, stream:
 
 
 # -- the deployment ----------------------------------------------------------------------------
-@serve.ingress(app)
+@serve.ingress()  # the app comes from __serve_build_asgi_app__, with this replica in its state
 class Ingress:
     async def __init__(self, workers, config: dict, redis_url: str):
         self.cfg = ServiceConfig(**config)
@@ -417,13 +377,15 @@ class Ingress:
         self.api = SessionAPI(
             self.cfg, workers, tokenizer_for(self.cfg.model, self.cfg.gguf_file), self.directory, self.metrics
         )
-        global _INGRESS
-        _INGRESS = self
         self.grpc = None
         if self.cfg.grpc_port:
-            from .grpc_server import start_grpc_server
-
             self.grpc = await start_grpc_server(self, f"{self.cfg.http_host}:{self.cfg.grpc_port}")
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """The HTTP app this replica serves; routes and the edge find the replica in its state
+        (``request.app.state.ingress``)."""
+        app.state.ingress = self
+        return app
 
     async def __del__(self):  # Serve awaits it at shutdown
         server, self.grpc = getattr(self, "grpc", None), None

@@ -21,7 +21,7 @@ from collections import OrderedDict, deque
 import redis.asyncio as aioredis
 from ray.serve.request_router import RequestRouter
 
-from kvsnap.actors.directory import session_key
+from kvsnap.actors.directory import owner_of
 
 log = logging.getLogger(__name__)
 PLACEMENT_MEMORY_S = 2.0  # > the routing-stats period (1 s)
@@ -79,11 +79,10 @@ class AffinityRouter(RequestRouter):
     async def _owner(self, key: str) -> str:
         tenant, _, session_id = key.partition("/")
         try:
-            owner = await self.redis.hget(session_key(self.prefix, tenant, session_id), "owner")
+            owner = await owner_of(self.redis, self.prefix, tenant, session_id)
         except Exception as exc:  # Redis slow or down: the last owner seen, else route by load
             log.warning("affinity router: owner lookup failed (%s); using the last known owner", exc)
             return self._owners.get(key, "")
-        owner = owner.decode() if owner else ""
         self._owners[key] = owner
         self._owners.move_to_end(key)
         while len(self._owners) > OWNER_CACHE_SIZE:

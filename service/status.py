@@ -41,6 +41,11 @@ def grpc_status(error: KvsnapError) -> grpc.StatusCode:
     return GRPC_STATUS.get(error.kind, grpc.StatusCode.INTERNAL)
 
 
+def retry_after(error: KvsnapError) -> dict[str, str] | None:
+    """The ``Retry-After`` header of an answer that is worth retrying shortly (429, 503)."""
+    return {"Retry-After": "1"} if http_status(error) in (429, 503) else None
+
+
 def error_body(error: KvsnapError) -> dict:
     """OpenAI-style error JSON."""
     return {"error": {"type": error.kind, "message": error.message, "code": http_status(error)}}

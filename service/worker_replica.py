@@ -1,7 +1,8 @@
 """The worker deployment: one Ray Serve replica = one model + its session tiers.
 
-Each method takes token ids (the ingress tokenizes and validates) and streams
-lists of events: ``{"t": token_id}`` per generated token, then one ``{"done": True, ...}``
+A turn arrives as the :class:`~kvsnap.actors.turns.TurnRequest` the ingress validated
+(token ids, sampling, a new session's settings) and streams lists of events:
+``{"t": token_id}`` per generated token, then one ``{"done": True, ...}``
 with the report and the session's new state. Errors are kvsnap errors; they pickle
 across Ray and the ingress maps them to status codes.
 
@@ -25,12 +26,12 @@ from pathlib import Path
 import torch
 from ray import serve
 
-from kvsnap.actors import Engine, SamplingParams, load_model
+from kvsnap.actors import Engine, load_model
 from kvsnap.actors.directory import SessionDirectory
 from kvsnap.actors.tiers import build_store
+from kvsnap.actors.turns import TurnRequest
 from kvsnap.actors.worker import Worker
 from kvsnap.errors import NotFound
-from kvsnap.policies import make_policy
 from kvsnap.policies.kivi import parse_kivi
 
 from .config import ServiceConfig
@@ -123,67 +124,14 @@ class WorkerReplica:
             "ongoing": self.ongoing,
         }
 
-    async def open(self, *args):
-        async for batch in _threaded(self._open_events(*args)):
+    async def turn(self, req: TurnRequest):
+        """Stream one turn (a new session's first one too) as batches of events."""
+        async for batch in _threaded(self._events(req)):
             yield batch
 
-    async def turn(self, *args):
-        async for batch in _threaded(self._turn_events(*args)):
-            yield batch
-
-    def _open_events(
-        self,
-        tenant: str,
-        session_id: str,
-        tokens: list[int],
-        settings: dict,
-        sampling: dict | None,
-        log_messages: list[dict],
-        answer_role: str | None,
-    ):
-        params = dict(settings)
-        recompress = params.pop("recompress", "per_turn")
-        policy = make_policy(params.pop("policy"), **params)
-        sampling_params = SamplingParams(**sampling) if sampling is not None else None
-        stream = self.worker.open_stream(
-            tenant,
-            session_id,
-            tokens,
-            policy,
-            recompress,
-            sampling_params,
-            log_messages=log_messages,
-            answer_role=answer_role,
-        )
-        yield from self._events(tenant, session_id, stream)
-
-    def _turn_events(
-        self,
-        tenant: str,
-        session_id: str,
-        tokens: list[int],
-        sampling: dict,
-        log_messages: list[dict],
-        answer_role: str | None,
-        turn_id: str = "",
-    ):
-        stream = self.worker.turn_stream(
-            tenant,
-            session_id,
-            tokens,
-            SamplingParams(**sampling),
-            log_messages=log_messages,
-            answer_role=answer_role,
-            turn_id=turn_id,
-        )
-        yield from self._events(tenant, session_id, stream)
-
-    # Non-streaming requests: the whole turn in one Ray round trip instead of one per token.
-    def open_once(self, *args) -> list[dict]:
-        return list(self._open_events(*args))
-
-    def turn_once(self, *args) -> list[dict]:
-        return list(self._turn_events(*args))
+    def turn_once(self, req: TurnRequest) -> list[dict]:
+        """A non-streaming request: the whole turn in one Ray round trip instead of one per token."""
+        return list(self._events(req))
 
     def state(self, tenant: str, session_id: str) -> dict:
         return asdict(self.worker.state(tenant, session_id))
@@ -204,17 +152,23 @@ class WorkerReplica:
     def stats(self) -> dict:
         return self.worker.stats()
 
-    def _events(self, tenant: str, session_id: str, stream):
+    def _events(self, req: TurnRequest):
+        """``{"t": token, "d": text delta}`` per token (the text detokenized once, here), then the
+        end: the rest of the text, the answer's whole text (cut at a stop string), the report."""
+        stream = self.worker.stream(req)
+        detok = stream.detok
         self.ongoing += 1
         try:
             for token in stream:
-                yield {"t": token}
+                yield {"t": token, "d": detok.take()}
         finally:
             stream.close()  # client gone: stop generating; the worker commits what was generated
             self.ongoing -= 1
-        entry = self.worker.held.get(f"{tenant}/{session_id}")
+        entry = self.worker.held.get(req.key)
         yield {
             "done": True,
+            "d": detok.take(final=True) if detok is not None else "",
+            "text": stream.text,
             "finish_reason": stream.finish_reason,
             "report": asdict(stream.report),
             "source": stream.source,

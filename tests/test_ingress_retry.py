@@ -41,14 +41,14 @@ class FlakyWorkers:
     def turn_once(self):
         return self
 
-    def remote(self, *args):
-        self.turn_ids.append(args[-1])
+    def remote(self, req):
+        self.turn_ids.append(req.turn_id)
         failure = self.failures.pop(0) if self.failures else None
 
         async def call():
             if failure == "before":
                 raise ray.exceptions.RayActorError()
-            events = self.replica.turn_once(*args)
+            events = self.replica.turn_once(req)
             if failure == "after":
                 raise ray.exceptions.RayActorError()
             return events

@@ -14,6 +14,7 @@ import torch
 
 from kvsnap.actors import SamplingParams
 from kvsnap.actors.tiers import build_store
+from kvsnap.actors.turns import TurnRequest
 from kvsnap.actors.worker import Worker
 from kvsnap.errors import Conflict
 from kvsnap.policies import make_policy
@@ -143,12 +144,12 @@ def test_a_one_pass_rebuild_would_differ(tiny_engine):
 def test_a_second_concurrent_turn_is_refused_before_any_model_work(llama_engine, directory_factory):
     worker = make_worker(llama_engine, directory_factory(), "w1")
     worker.open("acme", "busy", DOCUMENT, make_policy("full"), sampling=SAMPLING)
-    first = worker.turn_stream("acme", "busy", QUESTIONS[0], SAMPLING)  # claimed, not yet running
+    first = worker.stream(TurnRequest("acme", "busy", QUESTIONS[0], SAMPLING))  # claimed, not yet running
     forwards = []
     hook = llama_engine.model.register_forward_pre_hook(lambda *_: forwards.append(1))
     try:
         with pytest.raises(Conflict, match="in progress"):
-            worker.turn_stream("acme", "busy", QUESTIONS[1], SAMPLING)
+            worker.stream(TurnRequest("acme", "busy", QUESTIONS[1], SAMPLING))
         assert forwards == []  # refused before the model ran
     finally:
         hook.remove()
@@ -183,11 +184,11 @@ def test_concurrent_turns_from_two_threads_one_wins_the_other_is_refused(llama_e
 def test_a_stream_closed_before_it_ran_frees_its_session(llama_engine, directory_factory):
     worker = make_worker(llama_engine, directory_factory(), "w1")
     worker.open("acme", "s", DOCUMENT, make_policy("full"), sampling=SAMPLING)
-    stream = worker.turn_stream("acme", "s", QUESTIONS[0], SAMPLING)
+    stream = worker.stream(TurnRequest("acme", "s", QUESTIONS[0], SAMPLING))
     stream.close()
     stream.close()  # idempotent: never frees a later turn's claim
-    later = worker.turn_stream("acme", "s", QUESTIONS[1], SAMPLING)
+    later = worker.stream(TurnRequest("acme", "s", QUESTIONS[1], SAMPLING))
     stream.close()
     with pytest.raises(Conflict):
-        worker.turn_stream("acme", "s", QUESTIONS[2], SAMPLING)
+        worker.stream(TurnRequest("acme", "s", QUESTIONS[2], SAMPLING))
     assert len(list(later)) == SAMPLING.max_new_tokens

@@ -125,12 +125,19 @@ def test_worker_keeps_the_full_copy_in_the_host_tier_and_falls_back_without_it(l
     assert result.report.kept_len == POLICY.budget + POLICY.window + SAMPLING.max_new_tokens - 1
     assert "acme/r/full" not in host
 
-    # a replica that rebuilds the session from the token log gets a full copy again
+    # a replica that rebuilds the session replays its history, the fallback turn included: like the
+    # uninterrupted session, it goes on as plain SnapKV (a full copy made up now would answer otherwise)
     other = Worker(llama_engine, worker.directory, build_store(10**9, 10**9), "w2")
     result = other.turn("acme", "r", random_tokens(10, seed=7), SAMPLING)
-    assert result.source == "rebuilt" and "acme/r/full" in other.store.tiers[1]
-    other.delete("acme", "r")
-    assert "acme/r/full" not in other.store.tiers[1]
+    assert result.source == "rebuilt" and result.report.reselect_s == 0 and "acme/r/full" not in other.store.tiers[1]
+    assert result.report.kept_len == POLICY.budget + POLICY.window + SAMPLING.max_new_tokens - 1
+
+    # while a session that never lost its full copy gets it back with a rebuild
+    worker.open("acme", "kept", doc, POLICY, "reselect", sampling=SAMPLING)
+    result = other.turn("acme", "kept", random_tokens(10, seed=8), SAMPLING)
+    assert result.source == "rebuilt" and result.report.reselect_s > 0 and "acme/kept/full" in other.store.tiers[1]
+    other.delete("acme", "kept")
+    assert "acme/kept/full" not in other.store.tiers[1]
 
 
 def test_drain_hands_the_full_copy_over_with_the_selection(llama_engine, directory_factory):

@@ -623,7 +623,7 @@ def test_admin_routes_take_admin_keys_and_real_worker_ids_only(service):
 
 
 def test_admin_routes_are_off_without_admin_keys():
-    from kvsnap.service.ingress import check_admin
+    from kvsnap.service.auth import check_admin
 
     off = ServiceConfig(api_keys={"k": "t"})
     with pytest.raises(PermissionDenied, match="no admin key is configured"):

@@ -12,6 +12,7 @@ from kvsnap.actors import Engine, SamplingParams
 from kvsnap.actors.directory import SessionEntry
 from kvsnap.actors.redis_server import EmbeddedRedis
 from kvsnap.actors.tiers import build_store
+from kvsnap.actors.turns import TurnRequest
 from kvsnap.actors.worker import Worker
 from kvsnap.errors import Conflict, NotFound, Unavailable
 from kvsnap.policies import make_policy
@@ -217,7 +218,7 @@ def test_ttl_expiry_removes_every_key_of_an_idle_session(llama_engine, directory
         random_tokens(20, seed=1),
         FULL,
         sampling=SAMPLING,
-        log_messages=[{"role": "document", "content": "..."}],
+        log=[{"role": "document", "content": "..."}],
     )
     keys = directory.session_keys("acme", "idle")  # entry, token log, message log
     assert all(directory.client.exists(k) for k in keys)
@@ -242,7 +243,7 @@ def test_tenants_do_not_see_each_other(llama_engine, directory_factory):
 def test_second_concurrent_turn_conflicts_and_open_twice_conflicts(llama_engine, directory_factory):
     worker = make_worker(llama_engine, directory_factory())
     worker.open("acme", "s", random_tokens(20, seed=1), FULL)
-    stream = worker.turn_stream("acme", "s", [5, 6], SamplingParams(max_new_tokens=20))
+    stream = worker.stream(TurnRequest("acme", "s", [5, 6], SamplingParams(max_new_tokens=20)))
     next(iter(stream))
     with pytest.raises(Conflict, match="in progress"):
         worker.turn("acme", "s", [7], SAMPLING)
@@ -271,10 +272,10 @@ def test_message_log_follows_the_turns(llama_engine, directory_factory):
     worker = make_worker(llama_engine, directory_factory())
     doc = [{"role": "system", "content": "a document"}, {"role": "user", "content": "q1"}]
     first = worker.open(
-        "acme", "s", random_tokens(20, seed=1), FULL, sampling=SAMPLING, log_messages=doc, answer_role="assistant"
+        "acme", "s", random_tokens(20, seed=1), FULL, sampling=SAMPLING, log=doc, answer_role="assistant"
     )
     second = worker.turn(
-        "acme", "s", [7, 8], SAMPLING, log_messages=[{"role": "user", "content": "q2"}], answer_role="assistant"
+        "acme", "s", [7, 8], SAMPLING, log=[{"role": "user", "content": "q2"}], answer_role="assistant"
     )
     assert worker.messages("acme", "s") == [
         *doc,

@@ -17,11 +17,11 @@ from .conftest import random_tokens
 def test_templated_turns_stop_at_the_templates_turn_marker_unless_the_request_says_otherwise():
     api = SessionAPI(ServiceConfig(), workers=None, tokenizer=None, directory=None, metrics=None)
     assert TURN_MARKER == "\nUser:" and segment({"role": "user", "content": "q"}).startswith(TURN_MARKER)
-    assert api.sampling({}, template=True)["stop"] == (TURN_MARKER,)
-    assert api.sampling({"stop": None}, template=True)["stop"] == (TURN_MARKER,)
-    assert api.sampling({}, template=False)["stop"] == ()  # raw text: no template, no marker
-    assert api.sampling({"stop": []}, template=True)["stop"] == ()  # asked for none
-    assert api.sampling({"stop": "END"}, template=True)["stop"] == ("END",)
+    assert api.sampling({}, template=True).stop == (TURN_MARKER,)
+    assert api.sampling({"stop": None}, template=True).stop == (TURN_MARKER,)
+    assert api.sampling({}, template=False).stop == ()  # raw text: no template, no marker
+    assert api.sampling({"stop": []}, template=True).stop == ()  # asked for none
+    assert api.sampling({"stop": "END"}, template=True).stop == ("END",)
 
 
 def test_the_message_log_keeps_the_answer_as_returned(llama_engine, directory_factory):
@@ -37,7 +37,7 @@ def test_the_message_log_keeps_the_answer_as_returned(llama_engine, directory_fa
         document,
         make_policy("full"),
         sampling=SamplingParams(max_new_tokens=12, stop=(stop,)),
-        log_messages=[{"role": "prompt", "content": "doc"}],
+        log=[{"role": "prompt", "content": "doc"}],
         answer_role="completion",
     )
     assert answer.finish_reason == "stop"

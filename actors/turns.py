@@ -1,0 +1,53 @@
+"""The turn contract: one typed request, validated once at the edge, carried unchanged through
+the Ray handle to the worker replica and the worker.
+
+    edge (service/api.py)  --TurnRequest-->  WorkerReplica.turn  --TurnRequest-->  Worker.stream
+
+A session is opened by a turn whose ``new_session`` says how it compresses; every later turn
+names the session only. The policy travels as the policy object the edge built and checked
+(frozen dataclasses pickle across Ray); the worker stores its JSON in the directory for the
+replicas that rebuild the session elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvsnap.policies import Policy
+
+from .sampling import SamplingParams
+from .session import check_recompress
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSpec:
+    """How a new session compresses: its policy and what later turns do to it (``recompress``)."""
+
+    policy: Policy
+    recompress: str = "per_turn"
+
+    def __post_init__(self) -> None:
+        check_recompress(self.policy, self.recompress)  # InvalidArgument before any work
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRequest:
+    """One turn of one session, as the edge validated it."""
+
+    tenant: str
+    session_id: str
+    tokens: list[int]  # the new tokens (a document, a templated message, raw text)
+    sampling: SamplingParams | None = None  # None: prefill only (a session opened with its document)
+    new_session: SessionSpec | None = None  # set: open the session with these settings
+    log: list[dict] = field(default_factory=list)  # messages appended to the session's message log
+    answer_role: str | None = None  # log the answer under this role (None: not logged)
+    turn_id: str = ""  # the caller's id for the turn, stored with its commit (the entry's last_turn)
+
+    @property
+    def key(self) -> str:
+        """The session's key in a worker (tenant-namespaced)."""
+        return f"{self.tenant}/{self.session_id}"
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return self.sampling.stop if self.sampling is not None else ()
