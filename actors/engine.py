@@ -179,7 +179,7 @@ class Engine:
             logits = self._forward(session, new)
         timer.prefill_s += time.perf_counter() - t0
 
-        if compress and session.recompress == "reselect" and (first_turn or session.full_kv is not None):
+        if compress and session.policy.reselects and (first_turn or session.full_kv is not None):
             t0 = time.perf_counter()
             self._reselect(session, captured, window)
             elapsed = time.perf_counter() - t0
@@ -361,7 +361,7 @@ class Engine:
     def _replay(self, session: Session, transcript: list[int], marks: list[TurnMark]) -> None:
         start = 0
         for mark in marks:
-            if session.recompress == "reselect" and not mark.reselected:
+            if session.policy.reselects and not mark.reselected:
                 session.full_kv = None  # this turn ran as plain SnapKV: its full copy was gone
             prompt_end = start + mark.prompt
             self.prefill(session, transcript[start:prompt_end])
@@ -381,7 +381,7 @@ class Engine:
 
 def _has_full_copy(session: Session) -> bool:
     """Whether this turn re-selects from a full copy (always true but for a reselect session that lost it)."""
-    return session.recompress != "reselect" or session.logical_len == 0 or session.full_kv is not None
+    return not session.policy.reselects or session.logical_len == 0 or session.full_kv is not None
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from kvsnap.errors import InvalidArgument
-from kvsnap.policies import Policy
+from kvsnap.policies import Policy, Reselect
 
 from .cache import cache_bytes, full_cache_bytes, kept_len
 
@@ -16,18 +16,20 @@ from .cache import cache_bytes, full_cache_bytes, kept_len
 #   per_turn  re-select from the rows kept so far, with this turn's tokens as the window
 #   never     keep the first selection (new rows are appended)
 #   reselect  keep every row of the full-attention layers in host memory as well, and select
-#             this turn's rows afresh from all of them (SnapKV over the full cache)
+#             this turn's rows afresh from all of them: the policy wrapped in Reselect
+#             (policies/reselect.py), re-selecting per turn
 RECOMPRESS_MODES = ("per_turn", "never", "reselect")
 
 
-def check_recompress(policy: Policy, recompress: str) -> None:
-    """Raise InvalidArgument for an unknown mode or one the policy cannot follow."""
+def resolve_recompress(policy: Policy, recompress: str) -> tuple[Policy, str]:
+    """The session's policy and mode for a requested ``recompress``: "reselect" becomes the
+    Reselect wrapper around ``policy`` (mode per_turn). InvalidArgument for an unknown mode or
+    one the policy cannot follow."""
     if recompress not in RECOMPRESS_MODES:
         raise InvalidArgument(f"recompress must be one of {list(RECOMPRESS_MODES)}, got {recompress!r}")
-    if recompress == "reselect" and policy.decoder() is not None:
-        # re-selection appends every row generated since the last turn to the full copy; a
-        # decode-time evictor has dropped some of them from the device cache already
-        raise InvalidArgument(f"recompress='reselect' does not combine with decode-time eviction ({policy.name})")
+    if recompress == "reselect":
+        return (policy if policy.reselects else Reselect(inner=policy)), "per_turn"
+    return policy, recompress
 
 
 @dataclass(slots=True)
@@ -42,7 +44,7 @@ class TurnMark:
     prompt: int  # tokens the turn added before generating (prefilled after the pending ones)
     generated: int  # tokens it generated, right after its prompt in the log
     logical_len: int  # tokens in the KV when the turn ended
-    reselected: bool = True  # recompress="reselect": selected from a full copy (False: it had none)
+    reselected: bool = True  # a Reselect policy's turn: selected from a full copy (False: it had none)
 
     def to_list(self) -> list[int]:
         return [self.prompt, self.generated, self.logical_len, int(self.reselected)]
@@ -72,7 +74,7 @@ class TurnReport:
     compress_s: float
     decode_s: float
     ttft_s: float  # turn start to first generated token (0 if nothing was generated)
-    reselect_s: float = 0.0  # re-selection from the full cache (recompress="reselect"), part of the prefill
+    reselect_s: float = 0.0  # re-selection from the full cache (a Reselect policy), part of the prefill
 
     @property
     def compression_ratio(self) -> float:
@@ -98,7 +100,7 @@ class Session:
     turns: int = 0
     reports: list[TurnReport] = field(default_factory=list)
     marks: list[TurnMark] = field(default_factory=list)  # one per turn: the replay plan of a rebuild
-    # recompress="reselect": every row of each full-attention layer (index -> keys, values, each
+    # a Reselect policy: every row of each full-attention layer (index -> keys, values, each
     # [1, H_kv, full_len, D]) in host memory; None = no full copy (plain SnapKV per turn)
     full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     full_len: int = 0  # positions the full copy covers
@@ -106,7 +108,7 @@ class Session:
     decoding: dict[int, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check_recompress(self.policy, self.recompress)
+        self.policy, self.recompress = resolve_recompress(self.policy, self.recompress)
 
     @property
     def pending(self) -> list[int]:

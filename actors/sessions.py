@@ -159,7 +159,7 @@ class SessionStore:
         session.logical_len = blob.logical_len
         session.transcript = list(transcript)
         session.marks = list(marks)
-        if entry.recompress == "reselect":
+        if session.policy.reselects:
             self._attach_full_copy(entry, session, full)
 
     def _rebuild(self, session: Session, entry: SessionEntry, held: Held | None) -> None:
@@ -242,7 +242,7 @@ class SessionStore:
         return Held(entry, list(session.transcript), messages, list(session.marks), session.policy, dirty)
 
     def _store_full_copy(self, key: str, session: Session, version: int) -> None:
-        """recompress="reselect": the full copy goes to the host tier (never the device tier),
+        """A Reselect policy: the full copy goes to the host tier (never the device tier),
         where LRU demotes or drops it like any other blob. It is kept at full precision
         (``exact``) even where the tiers quantize KV (kv_quant): re-selection scores its rows
         and copies them to the device every turn."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from kvsnap.policies import Policy
 
 from .sampling import SamplingParams
-from .session import check_recompress
+from .session import resolve_recompress
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,10 +24,12 @@ class SessionSpec:
     """How a new session compresses: its policy and what later turns do to it (``recompress``)."""
 
     policy: Policy
-    recompress: str = "per_turn"
+    recompress: str = "per_turn"  # "reselect" becomes the Reselect wrapper around ``policy``
 
     def __post_init__(self) -> None:
-        check_recompress(self.policy, self.recompress)  # InvalidArgument before any work
+        policy, recompress = resolve_recompress(self.policy, self.recompress)  # InvalidArgument before any work
+        object.__setattr__(self, "policy", policy)
+        object.__setattr__(self, "recompress", recompress)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ class Policy:
     """
 
     name = "base"
+    reselects = False  # True for a wrapper that selects each turn from a full copy (reselect.py)
 
     window: int = 32
     budget: int = 512

@@ -82,8 +82,10 @@ class Compose(Policy):
         if not isinstance(self.prefill, Policy) or isinstance(self.prefill, Compose):
             raise InvalidArgument("compose needs a prefill policy (not itself a composition)")
         if not isinstance(self.decode, Evictor):
+            from . import evictor_names  # the registry (this module is imported by it)
+
             raise InvalidArgument(
-                f"decode policy must evict while decoding (one of {', '.join(sorted(EVICTOR_NAMES))}), "
+                f"decode policy must evict while decoding (one of {', '.join(evictor_names())}), "
                 f"got {getattr(self.decode, 'name', self.decode)!r}"
             )
         for name in ("window", "budget", "ratio"):
@@ -108,5 +110,3 @@ class Compose(Policy):
     def fingerprint(self) -> str:
         return f"{self.prefill.fingerprint()}+decode:{self.decode.fingerprint()}"
 
-
-EVICTOR_NAMES = ("h2o", "scissorhands", "streaming")

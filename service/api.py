@@ -32,7 +32,7 @@ from kvsnap.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvsnap.policies import make_policy
+from kvsnap.policies import make_policy, policy_params
 
 from .config import ServiceConfig
 from .metrics import Metrics
@@ -62,16 +62,6 @@ class TurnOutcome:
     timings: dict = field(default_factory=dict)  # the worker's: prefill / reselect / decode / ttft seconds
 
 
-# the session settings each policy takes (the rest of a request's settings are ignored for it)
-POLICY_FIELDS = {
-    "full": ("window",),
-    "streaming": ("window", "sinks"),
-    "snapkv": ("window", "budget", "kernel", "pooling"),
-    "h2o": ("window", "budget"),
-    "scissorhands": ("window", "budget", "history"),
-}
-
-
 class SessionAPI:
     def __init__(self, cfg: ServiceConfig, workers, tokenizer, directory: SessionDirectory, metrics: Metrics):
         self.cfg = cfg
@@ -84,25 +74,25 @@ class SessionAPI:
     def settings(self, given: dict | None, prompt_len: int) -> SessionSpec:
         """Server defaults overlaid with the caller's settings; raises InvalidArgument when bad.
 
-        A server-default window longer than the first prompt shrinks to the prompt; a window
-        the caller asked for is checked by the worker (longer than the prompt: 400)."""
+        A policy takes the parameters its dataclass declares (policies/); a server default
+        applies where the policy has that parameter. A server-default window longer than the
+        first prompt shrinks to the prompt; a window the caller asked for is checked by the
+        worker (longer than the prompt: 400)."""
         explicit = {k: v for k, v in (given or {}).items() if v is not None}
-        merged = self.cfg.defaults.model_dump() | explicit
-        if "window" not in explicit:
-            merged["window"] = max(1, min(merged["window"], prompt_len))
-        recompress = merged.pop("recompress")
-        name = merged.pop("policy")
-        if name not in POLICY_FIELDS:
-            make_policy(name)  # raises with the list of valid names
-        params = {k: merged[k] for k in POLICY_FIELDS[name] if k in merged}
-        decode = explicit.get("decode")
+        defaults = self.cfg.defaults.model_dump()
+        name = explicit.pop("policy", defaults.pop("policy"))
+        recompress = explicit.pop("recompress", defaults.pop("recompress"))
+        decode = explicit.pop("decode", None)
+        params = policy_params(name)  # InvalidArgument listing the policies for an unknown one
+        unknown = sorted(set(explicit) - set(params))
+        if unknown:
+            raise InvalidArgument(f"policy {name!r} has no parameter(s) {unknown}; valid: {sorted(params)}")
+        chosen = {k: v for k, v in defaults.items() if k in params} | explicit
+        if "window" in chosen and "window" not in explicit:
+            chosen["window"] = max(1, min(chosen["window"], prompt_len))
         if decode is not None:
-            decode = {k: v for k, v in decode.items() if v is not None}
-            unused = set(decode) - {"policy", *POLICY_FIELDS.get(decode.get("policy"), ())}
-            if unused:
-                raise InvalidArgument(f"decode policy {decode.get('policy')!r} takes no {sorted(unused)}")
-            params["decode"] = decode
-        return SessionSpec(make_policy(name, **params), recompress)  # validates every parameter
+            chosen["decode"] = {k: v for k, v in decode.items() if v is not None}
+        return SessionSpec(make_policy(name, **chosen), recompress)  # validates every parameter
 
     def sampling(self, fields: dict, template: bool = False) -> SamplingParams:
         """Sampling parameters from a request's fields. ``template``: the prompt used the plain

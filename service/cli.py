@@ -22,15 +22,27 @@ import time
 
 from kvsnap.errors import InvalidArgument, KvsnapError
 
+# Where the CLI's defaults differ from the policies' own (kvsnap generate has always used these).
+CLI_POLICY_DEFAULTS = {"budget": 256, "window": 32}
+
 
 def _add_policy_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--policy", default="snapkv", help="compression policy: full, snapkv, streaming, h2o, scissorhands"
-    )
-    parser.add_argument("--budget", type=int, default=256, help="prefix rows kept per KV head (snapkv, h2o, ...)")
-    parser.add_argument("--window", type=int, default=32, help="observation window / recent tokens kept")
-    parser.add_argument("--kernel", type=int, default=7, help="SnapKV pooling kernel (odd)")
-    parser.add_argument("--pooling", default="max", choices=["max", "avg"])
+    """--policy, and one flag per parameter of the registered policies (their dataclass fields)."""
+    from kvsnap.policies import POLICIES, policy_params
+
+    parser.add_argument("--policy", default="snapkv", help=f"compression policy: {', '.join(sorted(POLICIES))}")
+    owners: dict[str, tuple[type, list[str]]] = {}
+    for name in sorted(POLICIES):
+        for param, kind in policy_params(name).items():
+            owners.setdefault(param, (kind, []))[1].append(name)
+    for param, (kind, names) in sorted(owners.items()):
+        parser.add_argument(
+            f"--{param.replace('_', '-')}",
+            type=kind if kind in (int, float) else str,
+            default=CLI_POLICY_DEFAULTS.get(param),
+            help=f"a parameter of {', '.join(names)} (default: {CLI_POLICY_DEFAULTS.get(param, 'the policy default')})",
+        )
+    parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="another policy parameter")
     parser.add_argument("--recompress", default="per_turn", choices=["per_turn", "never", "reselect"])
     parser.add_argument(
         "--decode",
@@ -41,11 +53,12 @@ def _add_policy_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _policy_from(args):
-    from kvsnap.policies import make_policy
-    from kvsnap.service.api import POLICY_FIELDS
+    from kvsnap.policies import coerce_params, make_policy, policy_params
     from kvsnap.service.quality import PolicySpec
 
-    params = {k: getattr(args, k) for k in POLICY_FIELDS.get(args.policy, ()) if hasattr(args, k)}
+    params = {k: getattr(args, k) for k in policy_params(args.policy) if getattr(args, k, None) is not None}
+    extra = dict(item.partition("=")[::2] for item in args.param)
+    params |= coerce_params(args.policy, extra)
     if args.decode:
         params["decode"] = PolicySpec.parse(f"full+{args.decode}").settings(args.window)["decode"]
     return make_policy(args.policy, **params)
@@ -374,6 +387,10 @@ def _tokenizer(model: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvsnap.policies import import_policy_modules
+    from kvsnap.service.config import policy_modules_from_env
+
+    import_policy_modules(policy_modules_from_env())  # their policies' flags and names, below
     parser = argparse.ArgumentParser(prog="kvsnap", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)

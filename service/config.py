@@ -51,6 +51,11 @@ class ServiceConfig(BaseModel):
     device_tier_mib: int = Field(1024, ge=0, description="device (GPU, or CPU here) tier budget per replica")
     host_tier_mib: int = Field(4096, ge=0, description="host tier budget per replica")
     disk_tier_mib: int = Field(0, ge=0, description="disk tier budget per replica (0 = no disk tier)")
+    policy_modules: list[str] = Field(
+        default_factory=list,
+        description="modules every replica imports at start, for policies they register (register_policy); "
+        "comma-separated in KVSNAP_POLICY_MODULES",
+    )
     kv_quant: str = Field(
         "none",
         pattern="^(none|kivi2|kivi4)$",
@@ -99,10 +104,16 @@ class ServiceConfig(BaseModel):
     def _absolute_dir(cls, value: str) -> str:
         return os.path.abspath(os.path.expanduser(value))
 
-    @field_validator("admin_keys", mode="before")
+    @field_validator("admin_keys", "policy_modules", mode="before")
     @classmethod
-    def _parse_admin_keys(cls, value: Any) -> Any:
+    def _comma_separated(cls, value: Any) -> Any:
         return [k.strip() for k in value.split(",") if k.strip()] if isinstance(value, str) else value
+
+    def load_policy_modules(self) -> None:
+        """Import ``policy_modules`` (each replica and the CLI do, before they read a policy name)."""
+        from kvsnap.policies import import_policy_modules
+
+        import_policy_modules(self.policy_modules)
 
     @model_validator(mode="after")
     def _admin_keys_apart(self) -> ServiceConfig:
@@ -135,6 +146,10 @@ class ServiceConfig(BaseModel):
             return self, None
         key = "kvs-" + secrets.token_urlsafe(24)
         return self.model_copy(update={"api_keys": {key: "default"}}), key
+
+
+def policy_modules_from_env() -> list[str]:
+    return [m.strip() for m in os.environ.get("KVSNAP_POLICY_MODULES", "").split(",") if m.strip()]
 
 
 def parse_api_keys(text: str) -> dict[str, str]:

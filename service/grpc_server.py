@@ -16,6 +16,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvsnap.errors import InvalidArgument, KvsnapError
+from kvsnap.policies import coerce_params, evictor_names
 
 from .api import as_kvsnap_error, state_view
 from .auth import tenant_for
@@ -26,25 +27,21 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb2.DESCRIPTOR.services_by_name["Kvsnap"].full_name
 
 
-def _settings(msg) -> dict:
-    return {
-        "policy": msg.policy or None,
-        "budget": msg.budget or None,
-        "window": msg.window or None,
-        "kernel": msg.kernel or None,
-        "pooling": msg.pooling or None,
-        "recompress": msg.recompress or None,
-        "sinks": msg.sinks or None,
-        "history": msg.history or None,
-        "decode": _decode_settings(msg.decode) if msg.HasField("decode") else None,
-    }
+def _settings(msg, default_policy: str) -> dict:
+    """Session settings from a SessionSettings message: its fields (0 / "" = unset) and its
+    ``params`` map, each value parsed as the policy's parameter type."""
+    fields = {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields if f.name not in ("decode", "params")}
+    out = {k: v or None for k, v in fields.items()}
+    out |= coerce_params(msg.policy or default_policy, dict(msg.params))
+    out["decode"] = _decode_settings(msg.decode) if msg.HasField("decode") else None
+    return out
 
 
 def _decode_settings(msg) -> dict:
     if not msg.policy:
-        raise InvalidArgument("decode settings must name their policy: h2o, scissorhands or streaming")
-    fields = {"budget": msg.budget, "window": msg.window, "sinks": msg.sinks, "history": msg.history}
-    return {"policy": msg.policy} | {k: v for k, v in fields.items() if v}
+        raise InvalidArgument(f"decode settings must name their policy: {', '.join(evictor_names())}")
+    fields = {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields if f.name not in ("policy", "params")}
+    return {"policy": msg.policy} | {k: v for k, v in fields.items() if v} | coerce_params(msg.policy, dict(msg.params))
 
 
 def _sampling(msg) -> dict:
@@ -86,7 +83,11 @@ class KvsnapServicer(pb2_grpc.KvsnapServicer):
     # The handlers raise kvsnap errors; kvsnap_handlers (below) turns them into statuses, in one place.
     async def CreateSession(self, request, context):
         view = await self.api.create(
-            self._tenant(context), request.session_id or None, request.document, _settings(request.settings), "grpc"
+            self._tenant(context),
+            request.session_id or None,
+            request.document,
+            _settings(request.settings, self.ingress.cfg.defaults.policy),
+            "grpc",
         )
         return _state(view)
 

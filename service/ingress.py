@@ -372,6 +372,7 @@ async def _openai(events, request: Request, sid: str | None, chat: bool, stream:
 class Ingress:
     async def __init__(self, workers, config: dict, redis_url: str):
         self.cfg = ServiceConfig(**config)
+        self.cfg.load_policy_modules()
         self.directory = SessionDirectory(redis_url, session_ttl_s=self.cfg.session_ttl_s)
         self.metrics = Metrics(loads=self.directory.loads)
         self.api = SessionAPI(

@@ -37,13 +37,23 @@ ANSWER_TOKENS = 8  # a 5-digit key and a little more
 LONGGEN_PROMPT = "\n\nA detailed account of everything in the text above, sentence by sentence:\n"
 
 
-PREFILL_SPECS = ("snapkv", "reselect", "streaming", "h2o", "scissorhands")
-DECODE_SPECS = ("h2o", "scissorhands", "streaming")
-_SPEC = re.compile(
-    rf"^(?P<policy>full|(?:{'|'.join(PREFILL_SPECS)}):(?P<budget>[1-9][0-9]*))"
-    rf"(?:\+(?P<decode>{'|'.join(DECODE_SPECS)}):(?P<decode_budget>[1-9][0-9]*))?"
-    r"(?:@(?P<quant>kivi2|kivi4))?$"
-)
+def _spec_names() -> tuple[list[str], list[str]]:
+    """The prefill and decode policy names a spec may use: every registered policy (a policy
+    registered by a module of one's own too), and ``reselect`` (SnapKV re-selecting per turn)."""
+    from kvsnap.policies import POLICIES, evictor_names
+
+    return ["reselect", *sorted(n for n in POLICIES if n != "full")], evictor_names()
+
+
+def _spec_pattern() -> re.Pattern:
+    prefill, decode = _spec_names()
+    return re.compile(
+        rf"^(?P<policy>full|(?:{'|'.join(prefill)}):(?P<budget>[1-9][0-9]*))"
+        rf"(?:\+(?P<decode>{'|'.join(decode)}):(?P<decode_budget>[1-9][0-9]*))?"
+        r"(?:@(?P<quant>kivi2|kivi4))?$"
+    )
+
+
 SINKS = 4  # streaming's attention sinks, here and as a decode-time policy
 
 
@@ -76,11 +86,12 @@ class PolicySpec:
 
     @classmethod
     def parse(cls, text: str) -> PolicySpec:
-        m = _SPEC.match(text.strip())
+        m = _spec_pattern().match(text.strip())
         if m is None:
+            prefill, decode = _spec_names()
             raise InvalidArgument(
-                f"policy spec {text!r}: use full or <policy>:<budget> with policy one of {', '.join(PREFILL_SPECS)}, "
-                f"optionally +<decoder>:<budget> ({', '.join(DECODE_SPECS)}) and @kivi2 or @kivi4"
+                f"policy spec {text!r}: use full or <policy>:<budget> with policy one of {', '.join(prefill)}, "
+                f"optionally +<decoder>:<budget> ({', '.join(decode)}) and @kivi2 or @kivi4"
             )
         policy = m["policy"].partition(":")[0]
         return cls(
@@ -102,7 +113,7 @@ class PolicySpec:
             out = snapkv | {"recompress": recompress}
         elif self.policy == "streaming":
             out = {"policy": "streaming", "window": self.budget + window - SINKS, "sinks": SINKS}
-        else:  # h2o, scissorhands
+        else:  # h2o, scissorhands, and any registered policy with a budget and a window
             out = {"policy": self.policy, "budget": self.budget, "window": window}
         if self.decode == "streaming":
             out["decode"] = {"policy": "streaming", "window": self.decode_budget + window - SINKS, "sinks": SINKS}

@@ -5,37 +5,43 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+
+from kvsnap.policies import POLICIES, evictor_names, policy_params
 
 
-class DecodeSettings(BaseModel):
-    """A policy that evicts rows while a turn generates, paired with the session's prefill policy."""
+def _parameter_fields(names: list[str]) -> dict:
+    """The parameters of the policies ``names`` as optional fields, typed and described from the
+    policies' own dataclasses (policies/: the one place a parameter is declared)."""
+    by_param: dict[str, tuple[type, list[str]]] = {}
+    for name in names:
+        for param, kind in policy_params(name).items():
+            by_param.setdefault(param, (kind, []))[1].append(name)
+    return {
+        param: (kind | None, Field(None, description=f"a parameter of {', '.join(owners)}"))
+        for param, (kind, owners) in sorted(by_param.items())
+    }
 
-    model_config = ConfigDict(extra="forbid")
 
-    policy: Literal["h2o", "scissorhands", "streaming"] = Field(..., description="the decode-time evictor")
-    budget: int | None = Field(None, description="rows kept besides the recent ones (h2o, scissorhands)")
-    window: int | None = Field(None, description="recent rows always kept")
-    sinks: int | None = Field(None, description="first rows always kept (streaming)")
-    history: int | None = Field(None, description="steps whose attention counts (scissorhands)")
-
-
-class Settings(BaseModel):
-    """Per-session compression settings, applied when the session is created."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    policy: str | None = Field(None, description="full | snapkv | streaming | h2o | scissorhands (default: server's)")
-    budget: int | None = Field(None, description="prefix rows kept per KV head (snapkv, h2o, scissorhands)")
-    window: int | None = Field(None, description="observation window / recent tokens kept")
-    kernel: int | None = Field(None, description="SnapKV pooling kernel, odd")
-    pooling: Literal["max", "avg"] | None = None
-    recompress: Literal["per_turn", "never", "reselect"] | None = None
-    sinks: int | None = Field(None, description="first rows always kept (streaming)")
-    history: int | None = Field(None, description="steps whose attention counts (scissorhands)")
-    decode: DecodeSettings | None = Field(
-        None, description="evict while decoding with this policy (h2o, scissorhands, streaming)"
-    )
+# Parameters of policies registered later (policy_modules) are accepted too (extra="allow") and
+# checked by the policy itself, like every other: an unknown one is a 400 listing the valid ones.
+DecodeSettings = create_model(
+    "DecodeSettings",
+    __config__=ConfigDict(extra="allow"),
+    __doc__="A policy that evicts rows while a turn generates, paired with the session's prefill policy.",
+    policy=(str, Field(..., description=f"the decode-time evictor: {' | '.join(evictor_names())}")),
+    **_parameter_fields(evictor_names()),
+)
+Settings = create_model(
+    "Settings",
+    __config__=ConfigDict(extra="allow"),
+    __doc__="Per-session compression settings, applied when the session is created; the parameters "
+    "a policy takes are its own (others: 400).",
+    policy=(str | None, Field(None, description=f"{' | '.join(sorted(POLICIES))} (default: the server's)")),
+    recompress=(Literal["per_turn", "never", "reselect"] | None, None),
+    decode=(DecodeSettings | None, Field(None, description="evict while decoding with this policy")),
+    **_parameter_fields(sorted(POLICIES)),
+)
 
 
 class SamplingFields(BaseModel):

@@ -94,6 +94,7 @@ async def _threaded(events: Iterator[dict]) -> AsyncIterator[list[dict]]:
 class WorkerReplica:
     def __init__(self, config: dict, redis_url: str):
         cfg = ServiceConfig(**config)
+        cfg.load_policy_modules()  # sessions of those policies may be rebuilt here
         torch.set_num_threads(max(1, int(cfg.cpus_per_replica)))
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         loaded = load_model(cfg.model, gguf_file=cfg.gguf_file)

@@ -90,6 +90,7 @@ def service(redis_server, tmp_path_factory):
         grpc_port=free_port(),
         api_keys=API_KEYS,
         admin_keys=[ADMIN_KEY],
+        policy_modules=["tests.test_policy_plugin"],  # a policy written in a test file (test_policy_plugin.py)
         data_dir=str(tmp_path_factory.mktemp("service")),
         max_prompt_tokens=3000,
         max_body_bytes=64 * 1024,

@@ -1,0 +1,58 @@
+"""Per-turn re-selection: a wrapper that keeps every row, and selects each turn's rows afresh.
+
+SnapKV chooses what to keep by looking at the first question, so a follow-up that needs
+another part of the document finds it dropped. ``Reselect(inner=SnapKV(...))`` keeps the
+full KV of the full-attention layers in host memory as well (the engine's full copy), and
+every turn its ``inner`` policy scores all of it with that turn's observation window; the
+device cache holds just the selection. It wraps a policy as :class:`Compose` does, so the
+engine asks the policy (``reselects``) rather than a session mode string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvsnap.errors import InvalidArgument
+
+from .base import Policy
+
+
+@dataclass(frozen=True, slots=True)
+class Reselect(Policy):
+    name = "reselect"
+    reselects = True
+
+    window: int = field(init=False, default=0)
+    budget: int = field(init=False, default=0)
+    ratio: float | None = field(init=False, default=None)
+    inner: Policy | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, Policy) or self.inner.reselects:
+            raise InvalidArgument("reselect wraps a policy that selects rows (not itself a re-selection)")
+        if self.inner.decoder() is not None:
+            # re-selection appends every row generated since the last turn to the full copy; a
+            # decode-time evictor has dropped some of them from the device cache already
+            raise InvalidArgument(
+                f"recompress='reselect' does not combine with decode-time eviction ({self.inner.name})"
+            )
+        for name in ("window", "budget", "ratio"):
+            object.__setattr__(self, name, getattr(self.inner, name))
+
+    @property
+    def compresses_anything(self) -> bool:
+        return self.inner.compresses_anything
+
+    def prefix_budget(self, prefix_len: int) -> int:
+        return self.inner.prefix_budget(prefix_len)
+
+    def select(self, window_queries, keys, scale=None, logical_len=None, chunk=None) -> torch.Tensor:
+        return self.inner.select(window_queries, keys, scale, logical_len, chunk)
+
+    def score(self, window_queries, keys, scale=None) -> torch.Tensor:
+        return self.inner.score(window_queries, keys, scale)
+
+    def fingerprint(self) -> str:
+        return f"{self.inner.fingerprint()}+reselect"
