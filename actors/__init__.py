@@ -1,19 +1,10 @@
-"""The model worker, usable in-process without Ray: models, session KV, the engine."""
+"""The worker replica and what it does: a Ray Serve replica (:mod:`.replica`, a Ray actor) runs
+one :class:`~.worker.Worker`, which runs turns (:mod:`.turns`, the typed turn contract) on the
+sessions its :class:`~.sessions.SessionStore` loads and commits. ``Worker`` and the store work
+in-process too (tests, benchmarks); only the replica needs Ray."""
 
-from .engine import Engine, TurnResult, TurnStream
-from .models import DEFAULT_MODEL, TINY_PRESETS, LoadedModel, load_model
-from .sampling import SamplingParams
-from .session import Session, TurnReport
+from .sessions import SessionStore
+from .turns import SessionSpec, TurnRequest
+from .worker import Worker
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "TINY_PRESETS",
-    "Engine",
-    "LoadedModel",
-    "SamplingParams",
-    "Session",
-    "TurnReport",
-    "TurnResult",
-    "TurnStream",
-    "load_model",
-]
+__all__ = ["SessionSpec", "SessionStore", "TurnRequest", "Worker"]

@@ -18,14 +18,13 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from kvsnap.engine.cache import export_kv, full_layer_indices, import_kv
+from kvsnap.engine.engine import Engine
+from kvsnap.engine.session import Session, TurnMark
 from kvsnap.errors import Conflict, NotFound, Unavailable
 from kvsnap.policies import Policy, policy_from_json
-
-from .cache import export_kv, full_layer_indices, import_kv
-from .directory import SessionDirectory, SessionEntry, check_id
-from .engine import Engine
-from .session import Session, TurnMark
-from .tiers import KVBlob, TieredStore, blob_from_bytes, blob_to_bytes
+from kvsnap.store.directory import SessionDirectory, SessionEntry, check_id
+from kvsnap.store.tiers import KVBlob, TieredStore, blob_from_bytes, blob_to_bytes
 
 log = logging.getLogger(__name__)
 
@@ -207,9 +206,7 @@ class SessionStore:
             raise Conflict(f"session {entry.session_id!r} already exists")
         self.directory.create(entry, [])
 
-    def commit(
-        self, key: str, entry: SessionEntry, session: Session, messages: list[dict], turn_id: str = ""
-    ) -> None:
+    def commit(self, key: str, entry: SessionEntry, session: Session, messages: list[dict], turn_id: str = "") -> None:
         """Store the session's KV (version + 1) and compare-and-set its directory entry, token log,
         turn mark and messages; while Redis is down, keep the commit to replay it later."""
         with self.lock:

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvsnap.engine.sampling import SamplingParams
+from kvsnap.engine.session import resolve_recompress
 from kvsnap.policies import Policy
-
-from .sampling import SamplingParams
-from .session import resolve_recompress
 
 
 @dataclass(frozen=True, slots=True)

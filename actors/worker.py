@@ -17,15 +17,15 @@ import logging
 import threading
 from collections.abc import Iterator
 
+from kvsnap.engine.engine import Engine, TurnResult, TurnStream
+from kvsnap.engine.sampling import SamplingParams
+from kvsnap.engine.session import Session
 from kvsnap.errors import Unavailable
 from kvsnap.policies import Policy, policy_to_json
+from kvsnap.store.directory import SessionDirectory, SessionEntry
+from kvsnap.store.tiers import TieredStore
 
-from .directory import SessionDirectory, SessionEntry
-from .engine import Engine, TurnResult, TurnStream
-from .sampling import SamplingParams
-from .session import Session
 from .sessions import Claim, SessionStore
-from .tiers import TieredStore
 from .turns import SessionSpec, TurnRequest
 
 log = logging.getLogger(__name__)

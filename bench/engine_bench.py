@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from kvsnap.actors import Engine, load_model
-from kvsnap.actors.cache import full_layer_indices
+from kvsnap.engine import Engine, load_model
+from kvsnap.engine.cache import full_layer_indices
 from kvsnap.policies import make_policy
-from kvsnap.service.tasks import pass_key_prompt
+from kvsnap.tools.tasks import pass_key_prompt
 
 
 def main() -> None:
@@ -187,7 +187,7 @@ def held(session) -> dict:
 
 
 def _one_token():
-    from kvsnap.actors import SamplingParams
+    from kvsnap.engine import SamplingParams
 
     return SamplingParams(max_new_tokens=1)
 

@@ -183,8 +183,8 @@ class Sessions:
     def reference(self) -> None:
         """What an undisturbed service answers: an uninterrupted in-process twin of each session,
         same policy, template, stop string and prefill chunk, greedy."""
-        from kvsnap.actors import Engine, SamplingParams, load_model
-        from kvsnap.actors.sampling import cut_at_stop
+        from kvsnap.engine import Engine, SamplingParams, load_model
+        from kvsnap.engine.sampling import cut_at_stop
         from kvsnap.policies import make_policy
         from kvsnap.service.config import ServiceConfig
         from kvsnap.service.template import TURN_MARKER, encode_messages
@@ -322,9 +322,9 @@ def phase_auth(client: Client, grpc_addr: str, redis_url: str, rec: Recorder) ->
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from kvsnap.actors.directory import SessionDirectory
-    from kvsnap.service.grpc_stubs import pb2
     from kvsnap.service.auth import ADMIN_PREFIX
+    from kvsnap.service.grpc_stubs import pb2
+    from kvsnap.store.directory import SessionDirectory
 
     schema = requests.get(client.http + "/openapi.json", timeout=10).json()
     routes = 0
@@ -660,7 +660,7 @@ def phase_overload(client: Client, sessions: Sessions, cfg, rec: Recorder) -> No
 
 def phase_corrupt(client: Client, sessions: Sessions, data_dir: Path, redis_url: str, rec: Recorder) -> None:
     """Truncate half of the verified sessions' files in their holder's disk tier, garble the other half."""
-    from kvsnap.actors.directory import SessionDirectory
+    from kvsnap.store.directory import SessionDirectory
 
     directory = SessionDirectory(redis_url)
     files = {}
@@ -823,8 +823,8 @@ def start(data_dir: Path):
     import ray
     from harness import start_service
 
-    from kvsnap.actors.redis_server import EmbeddedRedis
     from kvsnap.service.config import PolicyDefaults
+    from kvsnap.store.redis_server import EmbeddedRedis
 
     redis = EmbeddedRedis(data_dir / "redis").start()
     ray.init(num_cpus=3, include_dashboard=False, logging_level="WARNING", log_to_driver=False)

@@ -19,9 +19,9 @@ import statistics
 import time
 from pathlib import Path
 
-from kvsnap.actors import Engine, SamplingParams, load_model
+from kvsnap.engine import Engine, SamplingParams, load_model
 from kvsnap.policies import make_policy
-from kvsnap.service.tasks import multi_key_prompt
+from kvsnap.tools.tasks import multi_key_prompt
 
 
 def main() -> None:

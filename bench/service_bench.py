@@ -24,11 +24,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from harness import HEADERS, KEY, emit, in_own_ray, run_phase_process
 
-from kvsnap.actors import Engine, SamplingParams, load_model
+from kvsnap.engine import Engine, SamplingParams, load_model
 from kvsnap.service.config import FAST_PATH_ENV
 from kvsnap.service.grpc_stubs import pb2, pb2_grpc
-from kvsnap.service.tasks import FILLER
 from kvsnap.service.template import encode_messages
+from kvsnap.tools.tasks import FILLER
 
 
 def overhead(cfg, model: str, reps: int) -> dict:

@@ -30,8 +30,8 @@ from pathlib import Path
 import requests
 from harness import HEADERS, KEY, emit, in_own_ray, run_phase_process
 
-from kvsnap.actors.models import tokenizer_for
-from kvsnap.service import loadgen
+from kvsnap.engine.models import tokenizer_for
+from kvsnap.tools import loadgen
 
 PHASES = ("resume", "concurrency", "routing", "quality")
 SMALL = dict(
@@ -91,7 +91,7 @@ def resume_phase(cfg, model: str, lengths: list[int], reps: int, budget: int) ->
     """Held: a follow-up on a session that holds its document. Stateless: a fresh session whose
     first prompt is a document as long as the held session's whole transcript (the same count
     of tokens a stateless server re-prefills), asking the same kind of question."""
-    from kvsnap.service.tasks import pass_key_prompt
+    from kvsnap.tools.tasks import pass_key_prompt
 
     http = f"http://127.0.0.1:{cfg.http_port}"
     tok = tokenizer_for(model)
@@ -332,7 +332,7 @@ def main() -> None:
         g["gain"] = g["affinity"]["turns_per_s"] / g["round_robin"]["turns_per_s"]
         result["routing"] = g
     if "quality" in phases:
-        from kvsnap.service.cli import main as kvsnap
+        from kvsnap.tools.cli import main as kvsnap
 
         quality_argv = ["eval", "--out", str(out_dir), *args.quality_args.split()]
         if args.small:

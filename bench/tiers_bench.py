@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from kvsnap.actors import Engine, SamplingParams, load_model
-from kvsnap.actors.cache import export_kv
-from kvsnap.actors.tiers import DeviceTier, HostTier, KVBlob, TieredStore
+from kvsnap.engine import Engine, SamplingParams, load_model
+from kvsnap.engine.cache import export_kv
 from kvsnap.policies import make_policy
-from kvsnap.service.tasks import pass_key_prompt
+from kvsnap.store.tiers import DeviceTier, HostTier, KVBlob, TieredStore
+from kvsnap.tools.tasks import pass_key_prompt
 
 
 def resident(blob: KVBlob, budget: int) -> int:

@@ -109,4 +109,3 @@ class Compose(Policy):
 
     def fingerprint(self) -> str:
         return f"{self.prefill.fingerprint()}+decode:{self.decode.fingerprint()}"
-

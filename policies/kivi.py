@@ -10,7 +10,7 @@ rounded so that every value stays inside its group's grid: the round-trip error 
 is at most half its group's (stored) scale. A tensor whose range does not fit float16 is kept
 in full precision.
 
-Pure torch, no I/O: the tiers (``actors/tiers.py``) use :meth:`KIVI.pack` / :func:`unpack` on
+Pure torch, no I/O: the tiers (``store/tiers.py``) use :meth:`KIVI.pack` / :func:`unpack` on
 a session's tensors when they are configured to store quantized KV.
 """
 

@@ -1,2 +1,3 @@
-"""The serving layer: the Ray Serve application (ingress with HTTP + gRPC, the cache-affinity
-router, the worker deployment), its configuration, metrics, the spot watcher and the CLI."""
+"""The serving layer: the Ray Serve application and nothing else. The ingress (HTTP and gRPC,
+auth, validation into one typed turn request), the cache-affinity router, the app builder, the
+configuration, metrics and the error-to-status mapping."""

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 import ray.exceptions
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from kvsnap.actors.directory import SessionDirectory, check_id
-from kvsnap.actors.sampling import SamplingParams
 from kvsnap.actors.turns import SessionSpec, TurnRequest
+from kvsnap.engine.sampling import SamplingParams
 from kvsnap.errors import (
     Conflict,
     DeadlineExceeded,
@@ -33,6 +32,7 @@ from kvsnap.errors import (
     Unavailable,
 )
 from kvsnap.policies import make_policy, policy_params
+from kvsnap.store.directory import SessionDirectory, check_id
 
 from .config import ServiceConfig
 from .metrics import Metrics

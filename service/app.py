@@ -9,10 +9,11 @@ import torch
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from kvsnap.actors.replica import WorkerReplica
+
 from .config import ServiceConfig
 from .ingress import Ingress
 from .routing import AffinityRouter
-from .worker_replica import WorkerReplica
 
 APP_NAME = "kvsnap"
 

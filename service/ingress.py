@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.datastructures import Headers
 
-from kvsnap.actors.directory import SessionDirectory
-from kvsnap.actors.models import tokenizer_for
+from kvsnap.engine.models import tokenizer_for
 from kvsnap.errors import InvalidArgument, KvsnapError, PayloadTooLarge
+from kvsnap.store.directory import SessionDirectory
 
 from .api import DRAIN_RESUME_S, SessionAPI, TurnOutcome, as_kvsnap_error, state_view
 from .auth import ADMIN_PREFIX, OPEN_PATHS, check_admin, tenant_for

@@ -21,7 +21,7 @@ from collections import OrderedDict, deque
 import redis.asyncio as aioredis
 from ray.serve.request_router import RequestRouter
 
-from kvsnap.actors.directory import owner_of
+from kvsnap.store.directory import owner_of
 
 log = logging.getLogger(__name__)
 PLACEMENT_MEMORY_S = 2.0  # > the routing-stats period (1 s)

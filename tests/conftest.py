@@ -9,7 +9,7 @@ ray_environment()  # the Ray Serve data path `kvsnap serve` uses; set before any
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvsnap.actors import Engine, load_model  # noqa: E402
+from kvsnap.engine import Engine, load_model  # noqa: E402
 
 
 @pytest.fixture(scope="session", params=["tiny-llama", "tiny-gemma3"])
@@ -35,7 +35,7 @@ def random_tokens(n: int, seed: int, low: int = 3, high: int = 300) -> list[int]
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """One real redis-server process for the test run (the embedded one kvsnap starts)."""
-    from kvsnap.actors.redis_server import EmbeddedRedis
+    from kvsnap.store.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis(tmp_path_factory.mktemp("redis")).start()
     yield server
@@ -45,7 +45,7 @@ def redis_server(tmp_path_factory):
 @pytest.fixture
 def directory_factory(redis_server, request):
     """Directories on the shared server, namespaced per test so tests never see each other's keys."""
-    from kvsnap.actors.directory import SessionDirectory
+    from kvsnap.store.directory import SessionDirectory
 
     prefix = "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name)[-60:]
 
@@ -78,9 +78,9 @@ def service(redis_server, tmp_path_factory):
     import ray
     from ray import serve
 
-    from kvsnap.actors.redis_server import free_port
     from kvsnap.service.app import APP_NAME, build_app
     from kvsnap.service.config import PolicyDefaults, ServiceConfig
+    from kvsnap.store.redis_server import free_port
 
     cfg = ServiceConfig(
         model="tiny-llama",

@@ -18,8 +18,8 @@ import pytest
 import requests
 import yaml
 
+from kvsnap.cluster.spot import Notice, SpotWatcher, poll_aws
 from kvsnap.service.config import ServiceConfig
-from kvsnap.service.spot import Notice, SpotWatcher, poll_aws
 
 from .conftest import ADMIN_KEY
 from .test_service import DOC, FULL, create, kill_replica, reference_answers, turn, wait_for_workers
@@ -332,8 +332,8 @@ def test_serve_config_runs_like_the_run_command(service, tmp_path):
     """The Serve config's application, built by its import path, serves the same API."""
     from ray import serve
 
-    from kvsnap.actors.redis_server import free_port
     from kvsnap.service.app import app_builder
+    from kvsnap.store.redis_server import free_port
 
     raw = yaml.safe_load((CLUSTER / "serve.yaml").read_text())
     args = raw["applications"][0]["args"] | {

@@ -24,8 +24,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from kvsnap.actors import Engine
-from kvsnap.actors.cache import CompressedLayer, full_layer_indices
+from kvsnap.engine import Engine
+from kvsnap.engine.cache import CompressedLayer, full_layer_indices
 from kvsnap.policies import make_policy
 
 from .conftest import random_tokens

@@ -14,9 +14,8 @@ import random
 import pytest
 import torch
 
-from kvsnap.actors import SamplingParams
-from kvsnap.actors.cache import full_layer_indices
-from kvsnap.actors.tiers import DiskTier, HostTier, KVBlob, build_store
+from kvsnap.engine import SamplingParams
+from kvsnap.engine.cache import full_layer_indices
 from kvsnap.errors import InvalidArgument
 from kvsnap.policies import (
     H2O,
@@ -33,6 +32,7 @@ from kvsnap.policies import (
     window_attention,
 )
 from kvsnap.policies.kivi import KIVI, pack_codes, parse_kivi, unpack, unpack_codes
+from kvsnap.store.tiers import DiskTier, HostTier, KVBlob, build_store
 
 from .conftest import random_tokens
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvsnap.actors.detok import Detokenizer
+from kvsnap.engine.detok import Detokenizer
 
 
 def _decode_all(tokenizer, ids):

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kvsnap.actors import Engine, SamplingParams
-from kvsnap.actors.cache import CompressedLayer
+from kvsnap.engine import Engine, SamplingParams
+from kvsnap.engine.cache import CompressedLayer
 from kvsnap.errors import InvalidArgument
 from kvsnap.policies import make_policy
 

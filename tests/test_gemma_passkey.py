@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvsnap.actors import Engine, SamplingParams
+from kvsnap.engine import Engine, SamplingParams
 from kvsnap.policies import make_policy
-from kvsnap.service.tasks import pass_key_prompt
+from kvsnap.tools.tasks import pass_key_prompt
 
 pytestmark = pytest.mark.slow
 

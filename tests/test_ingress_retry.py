@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import ray.exceptions
 
-from kvsnap.actors.tiers import build_store
+from kvsnap.actors.replica import WorkerReplica
 from kvsnap.actors.worker import Worker
 from kvsnap.errors import Unavailable
 from kvsnap.policies import make_policy
@@ -18,7 +18,7 @@ from kvsnap.service.api import SessionAPI
 from kvsnap.service.config import ServiceConfig
 from kvsnap.service.metrics import Metrics
 from kvsnap.service.template import encode_messages
-from kvsnap.service.worker_replica import WorkerReplica
+from kvsnap.store.tiers import build_store
 
 from .conftest import random_tokens
 

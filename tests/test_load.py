@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvsnap.actors.models import tokenizer_for
+from kvsnap.engine.models import tokenizer_for
 from kvsnap.errors import InvalidArgument
-from kvsnap.service import loadgen
+from kvsnap.tools import loadgen
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ def test_load_spec_rejects_bad_input():
 
 def test_kvsnap_load_cli_poisson_arrivals_writes_json(service, tmp_path):
     out = tmp_path / "load.json"
-    cmd = [sys.executable, "-m", "kvsnap.service.cli", "load", "--url", service.http, "--api-key", "key-beta"]
+    cmd = [sys.executable, "-m", "kvsnap.tools.cli", "load", "--url", service.http, "--api-key", "key-beta"]
     cmd += ["--users", "2", "--turns", "1", "--context", "120", "--arrival", "poisson", "--rate", "4"]
     cmd += ["--max-tokens", "4", "--progress", "0.5", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -7,12 +7,12 @@ import math
 
 import pytest
 
-from kvsnap.actors import Engine, load_model
-from kvsnap.actors.models import ByteTokenizer
+from kvsnap.engine import Engine, load_model
+from kvsnap.engine.models import ByteTokenizer
 from kvsnap.errors import InvalidArgument
-from kvsnap.service import quality
-from kvsnap.service.cli import main as kvsnap
-from kvsnap.service.tasks import multi_key_prompt
+from kvsnap.tools import quality
+from kvsnap.tools.cli import main as kvsnap
+from kvsnap.tools.tasks import multi_key_prompt
 
 TINY = dict(lengths=(300,), depths=(0.3,), keys=2, seeds=1, window=8, policies=("full", "snapkv:64", "streaming:64"))
 

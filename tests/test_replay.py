@@ -12,12 +12,12 @@ import threading
 import pytest
 import torch
 
-from kvsnap.actors import SamplingParams
-from kvsnap.actors.tiers import build_store
 from kvsnap.actors.turns import TurnRequest
 from kvsnap.actors.worker import Worker
+from kvsnap.engine import SamplingParams
 from kvsnap.errors import Conflict
 from kvsnap.policies import make_policy
+from kvsnap.store.tiers import build_store
 
 from .conftest import random_tokens
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvsnap.actors import Engine, SamplingParams, load_model
-from kvsnap.actors.cache import full_layer_indices
-from kvsnap.actors.capture import WindowCapture
-from kvsnap.actors.tiers import build_store
 from kvsnap.actors.worker import Worker
+from kvsnap.engine import Engine, SamplingParams, load_model
+from kvsnap.engine.cache import full_layer_indices
+from kvsnap.engine.capture import WindowCapture
 from kvsnap.policies import make_policy
 from kvsnap.policies.snapkv import SnapKV
+from kvsnap.store.tiers import build_store
 
 from .conftest import random_tokens
 

@@ -12,9 +12,8 @@ import openai
 import pytest
 import requests
 
-from kvsnap.actors import Engine, SamplingParams, load_model
-from kvsnap.actors.directory import SessionDirectory
-from kvsnap.actors.sampling import cut_at_stop
+from kvsnap.engine import Engine, SamplingParams, load_model
+from kvsnap.engine.sampling import cut_at_stop
 from kvsnap.errors import (
     Conflict,
     DeadlineExceeded,
@@ -33,6 +32,7 @@ from kvsnap.service.config import ServiceConfig
 from kvsnap.service.grpc_stubs import pb2, pb2_grpc
 from kvsnap.service.status import grpc_status, http_status
 from kvsnap.service.template import TURN_MARKER, encode_messages
+from kvsnap.store.directory import SessionDirectory
 
 from .conftest import ADMIN_KEY
 
@@ -214,7 +214,7 @@ def test_every_follow_up_turn_lands_on_the_holder(service):
 
 
 def _tok():
-    from kvsnap.actors.models import ByteTokenizer
+    from kvsnap.engine.models import ByteTokenizer
 
     return ByteTokenizer()
 

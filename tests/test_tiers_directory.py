@@ -8,14 +8,14 @@ import time
 import pytest
 import torch
 
-from kvsnap.actors import Engine, SamplingParams
-from kvsnap.actors.directory import SessionEntry
-from kvsnap.actors.redis_server import EmbeddedRedis
-from kvsnap.actors.tiers import build_store
 from kvsnap.actors.turns import TurnRequest
 from kvsnap.actors.worker import Worker
+from kvsnap.engine import Engine, SamplingParams
 from kvsnap.errors import Conflict, NotFound, Unavailable
 from kvsnap.policies import make_policy
+from kvsnap.store.directory import SessionEntry
+from kvsnap.store.redis_server import EmbeddedRedis
+from kvsnap.store.tiers import build_store
 
 from .conftest import random_tokens
 
@@ -103,7 +103,7 @@ def test_corrupt_blob_is_detected_and_rebuilt(llama_engine, directory_factory, t
 def test_redis_killed_and_restarted_loses_nothing(llama_engine, tmp_path):
     server = EmbeddedRedis(tmp_path / "data").start()
     try:
-        from kvsnap.actors.directory import SessionDirectory
+        from kvsnap.store.directory import SessionDirectory
 
         worker = make_worker(llama_engine, SessionDirectory(server.url))
         convs = {f"s{i}": conversation(i) for i in range(4)}
@@ -137,7 +137,7 @@ def test_redis_killed_and_restarted_loses_nothing(llama_engine, tmp_path):
 
 
 def test_empty_redis_is_refilled_on_the_next_turn(llama_engine, tmp_path):
-    from kvsnap.actors.directory import SessionDirectory
+    from kvsnap.store.directory import SessionDirectory
 
     server = EmbeddedRedis(tmp_path / "one").start()
     try:

@@ -3,13 +3,13 @@ message log keeps of an answer is what the caller got back (cut at its stop stri
 
 from __future__ import annotations
 
-from kvsnap.actors import SamplingParams
-from kvsnap.actors.tiers import build_store
 from kvsnap.actors.worker import Worker
+from kvsnap.engine import SamplingParams
 from kvsnap.policies import make_policy
 from kvsnap.service.api import SessionAPI
 from kvsnap.service.config import ServiceConfig
 from kvsnap.service.template import TURN_MARKER, segment
+from kvsnap.store.tiers import build_store
 
 from .conftest import random_tokens
 

@@ -26,15 +26,14 @@ from pathlib import Path
 import torch
 from ray import serve
 
-from kvsnap.actors import Engine, load_model
-from kvsnap.actors.directory import SessionDirectory
-from kvsnap.actors.tiers import build_store
 from kvsnap.actors.turns import TurnRequest
 from kvsnap.actors.worker import Worker
+from kvsnap.engine import Engine, load_model
 from kvsnap.errors import NotFound
 from kvsnap.policies.kivi import parse_kivi
-
-from .config import ServiceConfig
+from kvsnap.service.config import ServiceConfig
+from kvsnap.store.directory import SessionDirectory
+from kvsnap.store.tiers import build_store
 
 log = logging.getLogger(__name__)
 _END = object()

@@ -54,7 +54,7 @@ def _add_policy_args(parser: argparse.ArgumentParser) -> None:
 
 def _policy_from(args):
     from kvsnap.policies import coerce_params, make_policy, policy_params
-    from kvsnap.service.quality import PolicySpec
+    from kvsnap.tools.quality import PolicySpec
 
     params = {k: getattr(args, k) for k in policy_params(args.policy) if getattr(args, k, None) is not None}
     extra = dict(item.partition("=")[::2] for item in args.param)
@@ -65,8 +65,8 @@ def _policy_from(args):
 
 
 def cmd_generate(args) -> int:
-    from kvsnap.actors import Engine, SamplingParams, load_model
-    from kvsnap.service.tasks import pass_key_prompt
+    from kvsnap.engine import Engine, SamplingParams, load_model
+    from kvsnap.tools.tasks import pass_key_prompt
 
     policy = _policy_from(args)  # bad parameters fail before the model loads
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
@@ -119,8 +119,8 @@ def cmd_serve(args) -> int:
     import threading
     from pathlib import Path
 
-    from kvsnap.actors.redis_server import redis_url_or_embedded
     from kvsnap.service.config import ServiceConfig, ray_environment
+    from kvsnap.store.redis_server import redis_url_or_embedded
 
     overrides = {
         "model": args.model,
@@ -251,7 +251,7 @@ def cmd_spot_watch(args) -> int:
 
     import ray
 
-    from kvsnap.service.spot import SpotWatcher, local_worker_replicas, poll_aws, ray_drain_node
+    from kvsnap.cluster.spot import SpotWatcher, local_worker_replicas, poll_aws, ray_drain_node
 
     key = args.admin_key or os.environ.get("KVSNAP_ADMIN_KEY")
     if not key and args.admin_key_file:
@@ -289,7 +289,7 @@ def cmd_eval(args) -> int:
     import json
     from pathlib import Path
 
-    from kvsnap.service import quality
+    from kvsnap.tools import quality
 
     fields = ("tasks", "lengths", "depths", "policies", "keys", "seeds", "window", "gen_tokens")
     given = {k: v for k in fields if (v := getattr(args, k)) is not None}
@@ -300,7 +300,7 @@ def cmd_eval(args) -> int:
         backend = quality.OverHTTP(args.url, api_key, args.model)
         where, tokenizer = f"service {args.url}", _tokenizer(args.model)
     else:
-        from kvsnap.actors import Engine, load_model
+        from kvsnap.engine import Engine, load_model
 
         args.model = args.model or "gemma3-270m"
         print(f"loading model {args.model!r}...", file=sys.stderr, flush=True)
@@ -333,7 +333,7 @@ def cmd_eval(args) -> int:
 def cmd_load(args) -> int:
     import json
 
-    from kvsnap.service import loadgen
+    from kvsnap.tools import loadgen
 
     api_key = _api_key(args)
     settings = {k: v for k in ("policy", "budget", "window") if (v := getattr(args, k)) is not None}
@@ -381,7 +381,7 @@ def _served_model(url: str, api_key: str) -> str:
 
 
 def _tokenizer(model: str):
-    from kvsnap.actors.models import tokenizer_for
+    from kvsnap.engine.models import tokenizer_for
 
     return tokenizer_for(model)
 

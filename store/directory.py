@@ -27,9 +27,8 @@ from dataclasses import asdict, dataclass, fields
 
 import redis
 
+from kvsnap.engine.session import TurnMark
 from kvsnap.errors import Conflict, InvalidArgument, NotFound, Unavailable
-
-from .session import TurnMark
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 

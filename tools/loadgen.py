@@ -146,7 +146,7 @@ class GrpcClient:
     def __init__(self, target: str, api_key: str, timeout_s: float):
         import grpc
 
-        from .grpc_stubs import pb2, pb2_grpc
+        from kvsnap.service.grpc_stubs import pb2, pb2_grpc
 
         self.grpc, self.pb2, self.timeout_s = grpc, pb2, timeout_s
         self.stub = pb2_grpc.KvsnapStub(grpc.insecure_channel(target))

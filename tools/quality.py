@@ -220,7 +220,7 @@ class InProcess:
         self.engine = engine
 
     def run(self, case: Case, spec: PolicySpec, window: int) -> list[dict]:
-        from kvsnap.actors import SamplingParams
+        from kvsnap.engine import SamplingParams
 
         policy, recompress, kivi = spec.build(window)
         session = self.engine.new_session(policy, recompress=recompress)
@@ -248,7 +248,7 @@ class InProcess:
         same tokens back one at a time (teacher forcing, its decode-time eviction running) and
         is scored on them: top-1 agreement with full KV, the tokens' mean negative log-likelihood,
         decoding speed and the KV held at the end."""
-        from kvsnap.actors import SamplingParams
+        from kvsnap.engine import SamplingParams
 
         prompt = self.engine.encode(case.turns[0])
         reference = self.engine.turn(
@@ -293,17 +293,17 @@ def packed_bytes(session, kivi) -> int:
 def round_trip(engine, session, kivi) -> int:
     """Put the session's KV through a KIVI-quantized tier and back (what a resumed session gets);
     returns the bytes the tier held."""
-    from kvsnap.actors.cache import import_kv
+    from kvsnap.engine.cache import import_kv
 
-    packed = _at_rest(session).packed(kivi)  # what the tier stores (actors/tiers.py)
+    packed = _at_rest(session).packed(kivi)  # what the tier stores (store/tiers.py)
     session.cache = import_kv(engine.model.config, packed.unpacked().tensors, session.logical_len)
     return packed.nbytes
 
 
 def _at_rest(session):
     """The session's KV as a tier blob."""
-    from kvsnap.actors.cache import export_kv
-    from kvsnap.actors.tiers import KVBlob
+    from kvsnap.engine.cache import export_kv
+    from kvsnap.store.tiers import KVBlob
 
     return KVBlob(export_kv(session.cache), session.logical_len, version=0)
 
