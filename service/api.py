@@ -22,7 +22,6 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from kvsnap.actors.turns import SessionSpec, TurnRequest
 from kvsnap.engine.sampling import SamplingParams
 from kvsnap.errors import (
-    Conflict,
     DeadlineExceeded,
     InvalidArgument,
     KvsnapError,
@@ -43,8 +42,6 @@ log = logging.getLogger(__name__)
 DRAIN_RESUME_S = 60.0  # a drained replica stays out of placement this long, then takes sessions again
 RETRY_WINDOW_S = 30.0  # a replica that died before answering: retry this long (a replacement starts meanwhile)
 RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, DeploymentUnavailableError)
-CHAT_ROLES = {"system", "document", "user", "assistant"}
-RAW_ROLES = {"prompt", "completion"}
 
 
 @dataclass(slots=True)
@@ -142,7 +139,7 @@ class SessionAPI:
             raise InvalidArgument("document is empty")
         log = [{"role": "document", "content": document}]
         tokens = self.tokens(log, first=True)
-        outcome = await self._drain(self._open(tenant, sid, protocol, tokens, settings, None, log, None, False))
+        outcome = await self.collect(self.open_session(tenant, sid, protocol, tokens, settings, None, log, None, False))
         return state_view(outcome.state)
 
     def turn(
@@ -163,7 +160,7 @@ class SessionAPI:
         role, answer = ("prompt", "completion") if raw else ("user", "assistant")
         new = [{"role": role, "content": message}]
         tokens = self.raw_tokens(message, first=False) if raw else self.tokens(new, first=False)
-        return self._stream(self._turn(tenant, sid, tokens, params, new, answer), protocol, streaming)
+        return self.stream(self.next_turn(tenant, sid, tokens, params, new, answer), protocol, streaming)
 
     async def get(self, tenant: str, session_id: str) -> dict:
         entry = await asyncio.to_thread(self.directory.get, tenant, check_id("session id", session_id))
@@ -182,93 +179,8 @@ class SessionAPI:
             raise NotFound(f"no worker {worker_id!r} (see GET /metrics for the live ones)")
         return await self._call("drain", "", f"worker:{worker_id}", worker_id, resume_after_s)
 
-    # -- OpenAI-compatible: only the messages beyond the session's are prefilled -------------
-    def chat(
-        self,
-        tenant: str,
-        session_id: str | None,
-        messages: list[dict],
-        sampling: dict,
-        settings: dict | None,
-        protocol: str,
-        stored: list[dict] | None,
-        streaming: bool = True,
-    ) -> AsyncIterator[dict]:
-        params = self.sampling(sampling, template=True)
-        if messages[-1]["role"] != "user":
-            raise InvalidArgument("the last message must come from the user")
-        if stored is None:  # a new session under this id
-            tokens = self.tokens(messages, first=True)
-            return self._open(tenant, session_id, protocol, tokens, settings, params, messages, "assistant", streaming)
-        if any(m["role"] not in CHAT_ROLES for m in stored):
-            raise Conflict("this session was built by /v1/completions; continue it there")
-        if len(messages) <= len(stored) or messages[: len(stored)] != stored:
-            raise Conflict(
-                f"the messages do not extend session {session_id!r}: send its {len(stored)} "
-                "earlier messages unchanged, then the new ones"
-            )
-        new = messages[len(stored) :]
-        req = self._turn(tenant, session_id, self.tokens(new, first=False), params, new, "assistant")
-        return self._stream(req, protocol, streaming)
-
-    def complete(
-        self,
-        tenant: str,
-        session_id: str | None,
-        prompt: str,
-        sampling: dict,
-        settings: dict | None,
-        protocol: str,
-        stored: list[dict] | None,
-        streaming: bool = True,
-    ) -> AsyncIterator[dict]:
-        params = self.sampling(sampling)
-        if not prompt:
-            raise InvalidArgument("prompt is empty")
-        if stored is None:
-            tokens = self.raw_tokens(prompt, first=True)
-            return self._open(
-                tenant,
-                session_id,
-                protocol,
-                tokens,
-                settings,
-                params,
-                [{"role": "prompt", "content": prompt}],
-                "completion",
-                streaming,
-            )
-        if any(m["role"] not in RAW_ROLES for m in stored):
-            raise Conflict("this session was built by the chat API; continue it with /v1/chat/completions")
-        transcript = "".join(m["content"] for m in stored)
-        if not prompt.startswith(transcript) or len(prompt) == len(transcript):
-            raise Conflict(
-                f"the prompt must start with session {session_id!r}'s transcript (its earlier prompts "
-                "and completions, as returned) and add new text"
-            )
-        new = prompt[len(transcript) :]
-        req = self._turn(
-            tenant,
-            session_id,
-            self.raw_tokens(new, first=False),
-            params,
-            [{"role": "prompt", "content": new}],
-            "completion",
-        )
-        return self._stream(req, protocol, streaming)
-
-    async def stored_messages(self, tenant: str, session_id: str | None) -> list[dict] | None:
-        """The session's message log, or None when this tenant has no such session (yet)."""
-        if not session_id:
-            return None
-        sid = check_id("session id", session_id)
-        entry = await asyncio.to_thread(self.directory.get, tenant, sid)
-        if entry is None:
-            return None
-        return await asyncio.to_thread(self.directory.messages, tenant, sid)
-
-    # -- plumbing ------------------------------------------------------------------------
-    def _open(
+    # -- building and running turns (the OpenAI routes use these too) -------------------------
+    def open_session(
         self,
         tenant: str,
         session_id: str | None,
@@ -284,14 +196,14 @@ class SessionAPI:
         (the worker's engine checks the window against the prompt, before it writes anything)."""
         spec = self.settings(settings, len(tokens))
         req = TurnRequest(tenant, self.session_id(session_id), tokens, sampling, spec, log, answer_role)
-        return self._stream(req, protocol, streaming)
+        return self.stream(req, protocol, streaming)
 
     @staticmethod
-    def _turn(tenant, session_id, tokens, sampling, log, answer_role) -> TurnRequest:
+    def next_turn(tenant, session_id, tokens, sampling, log, answer_role) -> TurnRequest:
         """A turn on an existing session, with an id of its own (see the retry rule in _stream)."""
         return TurnRequest(tenant, session_id, tokens, sampling, None, log, answer_role, uuid.uuid4().hex)
 
-    async def _stream(self, req: TurnRequest, protocol: str, streaming: bool = True):
+    async def stream(self, req: TurnRequest, protocol: str, streaming: bool = True):
         """Events from the worker: {"text": delta, "ids": [token ids]} for the tokens that came in
         one batch (one token while the model is slow, several when it outpaces the hop back),
         then {"done": ..., "outcome": ...}.
@@ -372,7 +284,7 @@ class SessionAPI:
         timings = {k: report[k] for k in ("prefill_s", "reselect_s", "decode_s", "ttft_s")}
         return TurnOutcome(sid, text, ids, finish, prefilled, event["worker"], event["source"], event["state"], timings)
 
-    async def _drain(self, events: AsyncIterator[dict]) -> TurnOutcome:
+    async def collect(self, events: AsyncIterator[dict]) -> TurnOutcome:
         async for event in events:
             if event.get("done"):
                 return event["outcome"]

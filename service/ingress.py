@@ -10,15 +10,11 @@ so both protocols answer every error with matching status codes.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
-import uuid
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.datastructures import Headers
 
@@ -26,12 +22,14 @@ from kvsnap.engine.models import tokenizer_for
 from kvsnap.errors import InvalidArgument, KvsnapError, PayloadTooLarge
 from kvsnap.store.directory import SessionDirectory
 
-from .api import DRAIN_RESUME_S, SessionAPI, TurnOutcome, as_kvsnap_error, state_view
+from .api import DRAIN_RESUME_S, SessionAPI, TurnOutcome, state_view
 from .auth import ADMIN_PREFIX, OPEN_PATHS, check_admin, tenant_for
 from .config import ServiceConfig
 from .grpc_server import start_grpc_server
 from .metrics import Metrics
-from .schemas import ChatCompletionRequest, CompletionRequest, CreateSession, SessionState, Turn, TurnAnswer
+from .openai import router as openai_router
+from .responses import api_of, current, final, sse
+from .schemas import CreateSession, SessionState, Turn, TurnAnswer
 from .status import error_body, http_status, retry_after
 
 log = logging.getLogger(__name__)
@@ -42,14 +40,6 @@ app = FastAPI(
     description="Long-context sessions with SnapKV-compressed KV caches and cache-affinity routing. "
     "Authenticate with `Authorization: Bearer <API key>`.",
 )
-
-
-def _current(app) -> Ingress:
-    """The Ingress serving ``app`` (it puts itself into the app's state when it starts)."""
-    ingress = getattr(app.state, "ingress", None)
-    if ingress is None:
-        raise KvsnapError("ingress not initialised")
-    return ingress
 
 
 def error_response(error: KvsnapError) -> JSONResponse:
@@ -81,7 +71,7 @@ class Edge:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        ingress: Ingress = _current(scope["app"])
+        ingress: Ingress = current(scope["app"])
         route = scope["path"].removeprefix(scope.get("root_path", ""))
         status = 500  # unless a response starts
 
@@ -139,6 +129,7 @@ async def _read_body(receive, limit: int):
 
 
 app.add_middleware(Edge)
+app.include_router(openai_router)
 
 
 def _route_label(path: str) -> str:
@@ -148,10 +139,6 @@ def _route_label(path: str) -> str:
     return "/" + "/".join(parts)
 
 
-def _api(request: Request) -> SessionAPI:
-    return _current(request.app).api
-
-
 @app.get("/health", summary="liveness (no auth)")
 async def health():
     return {"status": "ok"}
@@ -159,13 +146,13 @@ async def health():
 
 @app.get("/metrics", summary="Prometheus metrics")
 async def metrics(request: Request):
-    body = await asyncio.to_thread(_current(request.app).metrics.render)
+    body = await asyncio.to_thread(current(request.app).metrics.render)
     return Response(body, media_type="text/plain; version=0.0.4")
 
 
 @app.post("/v1/sessions", status_code=201, response_model=SessionState, summary="open a session with a document")
 async def create_session(body: CreateSession, request: Request):
-    return await _api(request).create(
+    return await api_of(request).create(
         request.state.tenant, body.session_id, body.document, body.settings.model_dump(), "http"
     )
 
@@ -177,22 +164,22 @@ async def create_session(body: CreateSession, request: Request):
 )
 async def session_turn(session_id: str, body: Turn, request: Request):
     fields = body.model_dump(exclude={"message", "raw", "stream"})
-    events = _api(request).turn(
+    events = api_of(request).turn(
         request.state.tenant, session_id, body.message, fields, body.raw, "http", streaming=body.stream
     )
     if body.stream:
-        return await _sse(events, lambda e: {"text": e["text"]} if "text" in e else _answer(e["outcome"]), request)
-    return _answer(await _final(events))
+        return await sse(events, lambda e: {"text": e["text"]} if "text" in e else _answer(e["outcome"]), request)
+    return _answer(await final(events))
 
 
 @app.get("/v1/sessions/{session_id}", response_model=SessionState, summary="a session's state")
 async def get_session(session_id: str, request: Request):
-    return await _api(request).get(request.state.tenant, session_id)
+    return await api_of(request).get(request.state.tenant, session_id)
 
 
 @app.delete("/v1/sessions/{session_id}", status_code=204, summary="delete a session")
 async def delete_session(session_id: str, request: Request):
-    await _api(request).delete(request.state.tenant, session_id)
+    await api_of(request).delete(request.state.tenant, session_id)
     return Response(status_code=204)
 
 
@@ -205,42 +192,8 @@ async def drain_worker(worker_id: str, request: Request, resume_after_s: float =
     placement for ``resume_after_s`` seconds, then takes sessions again. 404 for an unknown id."""
     if not 0 <= resume_after_s <= 86400:
         raise InvalidArgument("resume_after_s must be in [0, 86400]")
-    exported = await _api(request).drain(worker_id, resume_after_s)
+    exported = await api_of(request).drain(worker_id, resume_after_s)
     return {"worker": worker_id, "exported": exported, "resume_after_s": resume_after_s}
-
-
-@app.get("/v1/models", summary="OpenAI-compatible model list")
-async def models(request: Request):
-    name = _current(request.app).cfg.model
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvsnap"}]}
-
-
-@app.post("/v1/chat/completions", summary="OpenAI-compatible; x-session-id keeps the conversation's KV")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
-    api, tenant, sid, stored, settings = await _openai_request(body, request)
-    messages = [m.model_dump() for m in body.messages]
-    sampling = body.model_dump(
-        include={"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
-    )
-    events = api.chat(tenant, sid, messages, sampling, settings, "http", stored, streaming=body.stream)
-    return await _openai(events, request, sid, chat=True, stream=body.stream)
-
-
-@app.post("/v1/completions", summary="OpenAI-compatible; with x-session-id the prompt extends the session's text")
-async def completions(body: CompletionRequest, request: Request):
-    api, tenant, sid, stored, settings = await _openai_request(body, request)
-    sampling = body.model_dump(include={"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
-    events = api.complete(tenant, sid, body.prompt, sampling, settings, "http", stored, streaming=body.stream)
-    return await _openai(events, request, sid, chat=False, stream=body.stream)
-
-
-async def _openai_request(body, request: Request):
-    """What both OpenAI routes need: the tenant, the session (x-session-id) and its message log."""
-    if body.n not in (None, 1):
-        raise InvalidArgument("only n=1 is supported")
-    api, tenant, sid = _api(request), request.state.tenant, request.headers.get("x-session-id")
-    settings = body.kvsnap.model_dump() if body.kvsnap else None
-    return api, tenant, sid, await api.stored_messages(tenant, sid), settings
 
 
 # -- response shaping ------------------------------------------------------------------------
@@ -256,115 +209,6 @@ def _answer(outcome: TurnOutcome) -> dict:
         "state": state_view(outcome.state),
         "timings": outcome.timings,
     }
-
-
-async def _final(events) -> TurnOutcome:
-    async for event in events:
-        if event.get("done"):
-            return event["outcome"]
-    raise as_kvsnap_error(RuntimeError("turn ended without a result"))
-
-
-async def _first(events):
-    """Pull the first event before the response starts, so early errors get a real status code."""
-    iterator = events.__aiter__()
-    try:
-        first = await iterator.__anext__()
-    except StopAsyncIteration:
-        first = None
-    return first, iterator
-
-
-async def _sse(events, shape, request: Request, done_marker: bool = False) -> StreamingResponse:
-    first, iterator = await _first(events)
-
-    async def body():
-        try:
-            event = first
-            while event is not None:
-                yield f"data: {json.dumps(shape(event))}\n\n"
-                if await request.is_disconnected():
-                    break  # the client went away: stop generating
-                try:
-                    event = await iterator.__anext__()
-                except StopAsyncIteration:
-                    event = None
-            if done_marker:
-                yield "data: [DONE]\n\n"
-        except KvsnapError as exc:
-            yield f"data: {json.dumps(error_body(exc))}\n\n"
-        finally:
-            # A client disconnect cancels this task; closing the event stream is what stops the
-            # worker generating, so it must run to the end even inside the cancelled scope.
-            with anyio.CancelScope(shield=True):
-                await iterator.aclose()
-
-    return StreamingResponse(body(), media_type="text/event-stream")
-
-
-async def _openai(events, request: Request, sid: str | None, chat: bool, stream: bool):
-    ingress: Ingress = _current(request.app)
-    created, rid = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    kind = "chat.completion" if chat else "text_completion"
-    headers = {"x-session-id": sid} if sid else {}
-
-    def usage(o: TurnOutcome) -> dict:
-        return {
-            "prompt_tokens": o.prompt_tokens,
-            "completion_tokens": len(o.token_ids),
-            "total_tokens": o.prompt_tokens + len(o.token_ids),
-        }
-
-    def extra(o: TurnOutcome) -> dict:
-        return {
-            "session_id": o.session_id,
-            "worker": o.worker,
-            "source": o.source,
-            "state": state_view(o.state) if o.state else None,
-        }
-
-    if not stream:
-        o = await _final(events)
-        choice = (
-            {"index": 0, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason}
-            if chat
-            else {"index": 0, "text": o.text, "finish_reason": o.finish_reason, "logprobs": None}
-        )
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": kind,
-                "created": created,
-                "model": ingress.cfg.model,
-                "choices": [choice],
-                "usage": usage(o),
-                "kvsnap": extra(o),
-            },
-            headers={"x-session-id": o.session_id},
-        )
-
-    def shape(event: dict) -> dict:
-        chunk = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created, "model": ingress.cfg.model}
-        if "text" in event:
-            delta = {"content": event["text"]}
-            chunk["choices"] = [
-                {"index": 0, "delta": delta, "finish_reason": None}
-                if chat
-                else {"index": 0, "text": event["text"], "finish_reason": None, "logprobs": None}
-            ]
-        else:
-            o = event["outcome"]
-            chunk["choices"] = [
-                {"index": 0, "delta": {}, "finish_reason": o.finish_reason}
-                if chat
-                else {"index": 0, "text": "", "finish_reason": o.finish_reason, "logprobs": None}
-            ]
-            chunk["usage"], chunk["kvsnap"] = usage(o), extra(o)
-        return chunk
-
-    response = await _sse(events, shape, request, done_marker=True)
-    response.headers.update(headers)
-    return response
 
 
 # -- the deployment ----------------------------------------------------------------------------

@@ -30,77 +30,9 @@ import redis
 from kvsnap.engine.session import TurnMark
 from kvsnap.errors import Conflict, InvalidArgument, NotFound, Unavailable
 
+from . import scripts
+
 ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-
-# KEYS: 1 entry hash, 2 token log, 3 message log, 4 turn marks.  Every script re-applies the TTL to all four.
-_TTL = """
-for i = 1, 4 do
-  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('EXPIRE', KEYS[i], ARGV[1]) end
-end
-"""
-
-# ARGV: ttl, token chunk, message chunk, marks chunk, field/value pairs...
-_CREATE = (
-    """
-if redis.call('EXISTS', KEYS[1]) == 1 then return -2 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
-for i = 2, 4 do
-  if ARGV[i] ~= '' then redis.call('RPUSH', KEYS[i], ARGV[i]) end
-end
-redis.call('HSET', KEYS[1], 'version', 1, unpack(ARGV, 5))
-"""
-    + _TTL
-    + """
-return 1
-"""
-)
-
-# ARGV: ttl, expected version, token chunk, message chunk, marks chunk, field/value pairs...
-_COMMIT = (
-    """
-local v = redis.call('HGET', KEYS[1], 'version')
-if not v then return -1 end
-if tonumber(v) ~= tonumber(ARGV[2]) then return -2 end
-for i = 2, 4 do
-  if ARGV[i + 1] ~= '' then redis.call('RPUSH', KEYS[i], ARGV[i + 1]) end
-end
-local nv = tonumber(v) + 1
-redis.call('HSET', KEYS[1], 'version', nv, unpack(ARGV, 6))
-"""
-    + _TTL
-    + """
-return nv
-"""
-)
-
-# Re-register a session a worker holds: write it back when the entry is gone (Redis
-# restarted empty) or older than the worker's copy (turns served while Redis was down).
-# ARGV: ttl, version, whole token log, whole message log, all marks, field/value pairs...
-_RESTORE = (
-    """
-local v = redis.call('HGET', KEYS[1], 'version')
-if v and tonumber(v) >= tonumber(ARGV[2]) then return 0 end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
-for i = 2, 4 do
-  if ARGV[i + 1] ~= '' then redis.call('RPUSH', KEYS[i], ARGV[i + 1]) end
-end
-redis.call('HSET', KEYS[1], 'version', ARGV[2], unpack(ARGV, 6))
-"""
-    + _TTL
-    + """
-return 1
-"""
-)
-
-
-# Where a session's KV now lies, after its holder demoted it: written only while the entry
-# still names that holder (a newer owner's entry is left alone). ARGV: owner, epoch, tier.
-_SET_TIER = """
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
-if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[1], 'tier', ARGV[3])
-return 1
-"""
 
 
 @dataclass(slots=True)
@@ -208,10 +140,10 @@ class SessionDirectory:
             retry_on_timeout=False,
             health_check_interval=0,
         )
-        self._create = self.client.register_script(_CREATE)
-        self._commit = self.client.register_script(_COMMIT)
-        self._restore = self.client.register_script(_RESTORE)
-        self._set_tier = self.client.register_script(_SET_TIER)
+        self._create = self.client.register_script(scripts.CREATE)
+        self._commit = self.client.register_script(scripts.COMMIT)
+        self._restore = self.client.register_script(scripts.RESTORE)
+        self._set_tier = self.client.register_script(scripts.SET_TIER)
 
     # -- keys ----------------------------------------------------------------------------
     def session_key(self, tenant: str, session_id: str) -> str:

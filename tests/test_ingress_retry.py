@@ -87,7 +87,7 @@ def api_for(llama_engine, directory_factory):
 
 async def ask(api: SessionAPI) -> dict:
     events = api.turn("t", "s", "Next?", {"max_tokens": 4}, False, "http", streaming=False)
-    return (await api._drain(events)).state
+    return (await api.collect(events)).state
 
 
 def test_a_turn_lost_before_it_ran_is_retried_and_applied_once(api_for, llama_engine, monkeypatch):

@@ -15,6 +15,7 @@ turn cost and what the compression saved.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -54,7 +55,7 @@ def _add_policy_args(parser: argparse.ArgumentParser) -> None:
 
 def _policy_from(args):
     from kvsnap.policies import coerce_params, make_policy, policy_params
-    from kvsnap.tools.quality import PolicySpec
+    from kvsnap.tools.specs import PolicySpec
 
     params = {k: getattr(args, k) for k in policy_params(args.policy) if getattr(args, k, None) is not None}
     extra = dict(item.partition("=")[::2] for item in args.param)
@@ -110,170 +111,6 @@ def cmd_generate(args) -> int:
             f"{r.prefill_s * 1e3:.0f} ms, compress {r.compress_s * 1e3:.1f} ms, decode {r.decode_s * 1e3:.0f} ms, "
             f"TTFT {r.ttft_s * 1e3:.0f} ms"
         )
-    return 0
-
-
-def cmd_serve(args) -> int:
-    """Local Ray, embedded Redis (unless KVSNAP_REDIS_URL), the app; foreground until Ctrl-C."""
-    import signal
-    import threading
-    from pathlib import Path
-
-    from kvsnap.service.config import ServiceConfig, ray_environment
-    from kvsnap.store.redis_server import redis_url_or_embedded
-
-    overrides = {
-        "model": args.model,
-        "replicas": args.replicas,
-        "http_port": args.http_port,
-        "grpc_port": args.grpc_port,
-        "http_host": args.host,
-        "data_dir": args.data_dir,
-        "kv_quant": args.kv_quant,
-    }
-    cfg, generated_key = ServiceConfig.from_env(**overrides).with_generated_key()
-    redis_url, embedded = redis_url_or_embedded(Path(cfg.data_dir) / "redis")
-    print(f"redis: {'embedded at ' + redis_url if embedded else 'KVSNAP_REDIS_URL'}", flush=True)
-    ray_environment(cfg.fast_path)  # before Ray is imported
-    try:
-        import ray
-        from ray import serve
-
-        from kvsnap.service.app import APP_NAME, build_app
-
-        cpus = max(2, int(cfg.replicas * cfg.cpus_per_replica + 0.999))
-        # address="local": always a Ray of its own, never one found on the machine (`ray start`)
-        ray.init(
-            address="local", num_cpus=cpus, include_dashboard=False, configure_logging=True, logging_level="WARNING"
-        )
-        serve.start(http_options={"host": cfg.http_host, "port": cfg.http_port})
-        print(
-            f"loading {cfg.model!r} on {cfg.replicas} replica(s); the first run converts the embedded model "
-            "once (about a minute)...",
-            flush=True,
-        )
-        serve.run(build_app(cfg, redis_url), name=APP_NAME, route_prefix="/")
-        print(f"\nkvsnap is serving\n  HTTP  http://{cfg.http_host}:{cfg.http_port}  (OpenAPI: /docs)")
-        if cfg.grpc_port:
-            print(f"  gRPC  {cfg.http_host}:{cfg.grpc_port}  (reflection on)")
-        if generated_key:
-            print(f"  API key (tenant 'default'): {generated_key}")
-        else:
-            print(f"  API keys: {len(cfg.api_keys)} configured")
-        print("Ctrl-C stops everything.", flush=True)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        try:
-            while not stop.wait(1.0):
-                pass
-        except KeyboardInterrupt:
-            pass
-        print("\nshutting down...", flush=True)
-        serve.shutdown()
-        ray.shutdown()
-    finally:
-        if embedded:
-            embedded.stop()
-    return 0
-
-
-def _http(method: str, url: str, key: str, body: dict | None = None):
-    import http.client
-    import json
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=600)
-    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-    conn.request(method, parts.path, body=json.dumps(body) if body is not None else None, headers=headers)
-    response = conn.getresponse()
-    if response.status >= 400:
-        detail = json.loads(response.read() or b"{}").get("error", {}).get("message", response.reason)
-        raise SystemExit(f"kvsnap: {response.status}: {detail}")
-    return response
-
-
-def cmd_chat(args) -> int:
-    """An interactive multi-turn client against a running service (document from a file)."""
-    import json
-    import os
-
-    key = args.api_key or os.environ.get("KVSNAP_API_KEY")
-    if not key:
-        raise SystemExit("kvsnap chat: pass --api-key or set KVSNAP_API_KEY (kvsnap serve prints one)")
-    with open(args.document, encoding="utf-8") as fh:
-        document = fh.read()
-    settings = {"policy": args.policy, "budget": args.budget, "window": args.window}
-    print(f"prefilling the document ({len(document)} characters)...", flush=True)
-    state = json.loads(
-        _http("POST", f"{args.url}/v1/sessions", key, {"document": document, "settings": settings}).read()
-    )
-    sid = state["session_id"]
-    print(
-        f"session {sid}: {state['logical_len']} tokens seen, {state['kept_len']} kept per full layer "
-        f"({state['kv_bytes'] / 2**20:.2f} MiB). Ask away; /state shows the session, /quit ends."
-    )
-    while True:
-        try:
-            line = input("you> ").strip()
-        except (EOFError, KeyboardInterrupt):
-            print()
-            return 0
-        if line in ("/quit", "/exit"):
-            return 0
-        if line == "/state":
-            print(json.loads(_http("GET", f"{args.url}/v1/sessions/{sid}", key).read()))
-            continue
-        if not line:
-            continue
-        body = {"message": line, "max_tokens": args.max_tokens, "stream": True}
-        response = _http("POST", f"{args.url}/v1/sessions/{sid}/turns", key, body)
-        print("kvsnap> ", end="", flush=True)
-        for raw in response:
-            if not raw.startswith(b"data: "):
-                continue
-            event = json.loads(raw[6:])
-            if "text" in event and "state" not in event:
-                print(event["text"], end="", flush=True)
-            elif "error" in event:
-                print(f"\n[error: {event['error']['message']}]")
-            else:
-                print(
-                    f"\n[{event['prompt_tokens']} new tokens prefilled, KV from {event['source']} on "
-                    f"{event['worker']}, {event['state']['kept_len']} rows kept]"
-                )
-
-
-def cmd_spot_watch(args) -> int:
-    """Run on each GPU spot node: drain it and move its sessions when AWS announces a reclaim."""
-    import functools
-    import os
-
-    import ray
-
-    from kvsnap.cluster.spot import SpotWatcher, local_worker_replicas, poll_aws, ray_drain_node
-
-    key = args.admin_key or os.environ.get("KVSNAP_ADMIN_KEY")
-    if not key and args.admin_key_file:
-        with open(os.path.expanduser(args.admin_key_file), encoding="utf-8") as fh:
-            key = fh.read().strip()
-    if not key:
-        raise SystemExit(
-            "kvsnap spot-watch: pass --admin-key, --admin-key-file or set KVSNAP_ADMIN_KEY "
-            "(one of the service's KVSNAP_ADMIN_KEYS; tenant keys cannot drain)"
-        )
-    ray.init(address=args.ray_address, logging_level="WARNING")
-    node_id = ray.get_runtime_context().get_node_id()
-    watcher = SpotWatcher(
-        kvsnap_url=args.kvsnap_url,
-        admin_key=key,
-        poll=functools.partial(poll_aws, args.metadata_url),
-        replicas=functools.partial(local_worker_replicas, node_id),
-        drain_node=functools.partial(ray_drain_node, node_id),
-        interval_s=args.interval,
-    )
-    print(f"watching {args.metadata_url} every {args.interval}s for node {node_id}", flush=True)
-    watcher.run()
     return 0
 
 
@@ -386,6 +223,15 @@ def _tokenizer(model: str):
     return tokenizer_for(model)
 
 
+def _lazy(module: str, name: str):
+    """A verb that lives in tools/<module>.py, imported when it runs."""
+
+    def run(args) -> int:
+        return getattr(importlib.import_module(f"kvsnap.tools.{module}"), name)(args)
+
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvsnap.policies import import_policy_modules
     from kvsnap.service.config import policy_modules_from_env
@@ -427,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["none", "kivi2", "kivi4"],
         help="KIVI-quantize the host and disk tiers (default none; lossy, more sessions per GiB)",
     )
-    srv.set_defaults(func=cmd_serve)
+    srv.set_defaults(func=_lazy("serve", "cmd_serve"))
 
     chat = sub.add_parser("chat", help="interactive multi-turn client against a running service")
     chat.add_argument("document", help="file whose text opens the session")
@@ -437,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--budget", type=int, default=512)
     chat.add_argument("--window", type=int, default=32)
     chat.add_argument("--max-tokens", type=int, default=128)
-    chat.set_defaults(func=cmd_chat)
+    chat.set_defaults(func=_lazy("chat", "cmd_chat"))
 
     ev = sub.add_parser(
         "eval", help="quality harness: pass-key, multi-key and multi-turn retrieval, long generation, per policy"
@@ -500,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     spot.add_argument("--metadata-url", default="http://169.254.169.254", help="instance metadata endpoint")
     spot.add_argument("--interval", type=float, default=5.0, help="seconds between polls")
     spot.add_argument("--ray-address", default="auto")
-    spot.set_defaults(func=cmd_spot_watch)
+    spot.set_defaults(func=_lazy("serve", "cmd_spot_watch"))
     return parser
 
 

@@ -1,0 +1,216 @@
+"""OpenAI-compatible routes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``).
+
+With ``x-session-id`` a request continues the session of that id: it must repeat the
+session's earlier messages unchanged (chat) or start with its earlier prompts and
+completions (completions), and only what it adds is prefilled. Without one, each request
+is a session of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from kvsnap.errors import Conflict, InvalidArgument
+from kvsnap.store.directory import check_id
+
+from .api import SessionAPI, TurnOutcome, state_view
+from .responses import api_of, current, final, sse
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter()
+CHAT_ROLES = {"system", "document", "user", "assistant"}
+RAW_ROLES = {"prompt", "completion"}
+
+
+@router.get("/v1/models", summary="OpenAI-compatible model list")
+async def models(request: Request):
+    name = current(request.app).cfg.model
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvsnap"}]}
+
+
+@router.post("/v1/chat/completions", summary="OpenAI-compatible; x-session-id keeps the conversation's KV")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    api, tenant, sid, stored, settings = await _openai_request(body, request)
+    messages = [m.model_dump() for m in body.messages]
+    sampling = body.model_dump(
+        include={"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+    )
+    events = chat(api, tenant, sid, messages, sampling, settings, "http", stored, streaming=body.stream)
+    return await _openai(events, request, sid, chat=True, stream=body.stream)
+
+
+@router.post("/v1/completions", summary="OpenAI-compatible; with x-session-id the prompt extends the session's text")
+async def completions(body: CompletionRequest, request: Request):
+    api, tenant, sid, stored, settings = await _openai_request(body, request)
+    sampling = body.model_dump(include={"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
+    events = complete(api, tenant, sid, body.prompt, sampling, settings, "http", stored, streaming=body.stream)
+    return await _openai(events, request, sid, chat=False, stream=body.stream)
+
+
+async def _openai_request(body, request: Request):
+    """What both OpenAI routes need: the tenant, the session (x-session-id) and its message log."""
+    if body.n not in (None, 1):
+        raise InvalidArgument("only n=1 is supported")
+    api, tenant, sid = api_of(request), request.state.tenant, request.headers.get("x-session-id")
+    settings = body.kvsnap.model_dump() if body.kvsnap else None
+    return api, tenant, sid, await stored_messages(api, tenant, sid), settings
+
+
+def chat(
+    api: SessionAPI,
+    tenant: str,
+    session_id: str | None,
+    messages: list[dict],
+    sampling: dict,
+    settings: dict | None,
+    protocol: str,
+    stored: list[dict] | None,
+    streaming: bool = True,
+) -> AsyncIterator[dict]:
+    params = api.sampling(sampling, template=True)
+    if messages[-1]["role"] != "user":
+        raise InvalidArgument("the last message must come from the user")
+    if stored is None:  # a new session under this id
+        tokens = api.tokens(messages, first=True)
+        return api.open_session(
+            tenant, session_id, protocol, tokens, settings, params, messages, "assistant", streaming
+        )
+    if any(m["role"] not in CHAT_ROLES for m in stored):
+        raise Conflict("this session was built by /v1/completions; continue it there")
+    if len(messages) <= len(stored) or messages[: len(stored)] != stored:
+        raise Conflict(
+            f"the messages do not extend session {session_id!r}: send its {len(stored)} "
+            "earlier messages unchanged, then the new ones"
+        )
+    new = messages[len(stored) :]
+    req = api.next_turn(tenant, session_id, api.tokens(new, first=False), params, new, "assistant")
+    return api.stream(req, protocol, streaming)
+
+
+def complete(
+    api: SessionAPI,
+    tenant: str,
+    session_id: str | None,
+    prompt: str,
+    sampling: dict,
+    settings: dict | None,
+    protocol: str,
+    stored: list[dict] | None,
+    streaming: bool = True,
+) -> AsyncIterator[dict]:
+    params = api.sampling(sampling)
+    if not prompt:
+        raise InvalidArgument("prompt is empty")
+    if stored is None:
+        tokens = api.raw_tokens(prompt, first=True)
+        return api.open_session(
+            tenant,
+            session_id,
+            protocol,
+            tokens,
+            settings,
+            params,
+            [{"role": "prompt", "content": prompt}],
+            "completion",
+            streaming,
+        )
+    if any(m["role"] not in RAW_ROLES for m in stored):
+        raise Conflict("this session was built by the chat API; continue it with /v1/chat/completions")
+    transcript = "".join(m["content"] for m in stored)
+    if not prompt.startswith(transcript) or len(prompt) == len(transcript):
+        raise Conflict(
+            f"the prompt must start with session {session_id!r}'s transcript (its earlier prompts "
+            "and completions, as returned) and add new text"
+        )
+    new = prompt[len(transcript) :]
+    req = api.next_turn(
+        tenant,
+        session_id,
+        api.raw_tokens(new, first=False),
+        params,
+        [{"role": "prompt", "content": new}],
+        "completion",
+    )
+    return api.stream(req, protocol, streaming)
+
+
+async def stored_messages(api: SessionAPI, tenant: str, session_id: str | None) -> list[dict] | None:
+    """The session's message log, or None when this tenant has no such session (yet)."""
+    if not session_id:
+        return None
+    sid = check_id("session id", session_id)
+    entry = await asyncio.to_thread(api.directory.get, tenant, sid)
+    if entry is None:
+        return None
+    return await asyncio.to_thread(api.directory.messages, tenant, sid)
+
+
+async def _openai(events, request: Request, sid: str | None, chat: bool, stream: bool):
+    ingress = current(request.app)
+    created, rid = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    kind = "chat.completion" if chat else "text_completion"
+    headers = {"x-session-id": sid} if sid else {}
+
+    def usage(o: TurnOutcome) -> dict:
+        return {
+            "prompt_tokens": o.prompt_tokens,
+            "completion_tokens": len(o.token_ids),
+            "total_tokens": o.prompt_tokens + len(o.token_ids),
+        }
+
+    def extra(o: TurnOutcome) -> dict:
+        return {
+            "session_id": o.session_id,
+            "worker": o.worker,
+            "source": o.source,
+            "state": state_view(o.state) if o.state else None,
+        }
+
+    if not stream:
+        o = await final(events)
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason}
+            if chat
+            else {"index": 0, "text": o.text, "finish_reason": o.finish_reason, "logprobs": None}
+        )
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": ingress.cfg.model,
+                "choices": [choice],
+                "usage": usage(o),
+                "kvsnap": extra(o),
+            },
+            headers={"x-session-id": o.session_id},
+        )
+
+    def shape(event: dict) -> dict:
+        chunk = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created, "model": ingress.cfg.model}
+        if "text" in event:
+            delta = {"content": event["text"]}
+            chunk["choices"] = [
+                {"index": 0, "delta": delta, "finish_reason": None}
+                if chat
+                else {"index": 0, "text": event["text"], "finish_reason": None, "logprobs": None}
+            ]
+        else:
+            o = event["outcome"]
+            chunk["choices"] = [
+                {"index": 0, "delta": {}, "finish_reason": o.finish_reason}
+                if chat
+                else {"index": 0, "text": "", "finish_reason": o.finish_reason, "logprobs": None}
+            ]
+            chunk["usage"], chunk["kvsnap"] = usage(o), extra(o)
+        return chunk
+
+    response = await sse(events, shape, request, done_marker=True)
+    response.headers.update(headers)
+    return response

@@ -1,0 +1,72 @@
+"""What every HTTP route shares: the Ingress serving the app, and turning a turn's events into a
+response (the whole answer, or Server-Sent Events whose first event is pulled before the
+response starts, so that early errors still get their status code)."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from kvsnap.errors import KvsnapError
+
+from .api import SessionAPI, TurnOutcome, as_kvsnap_error
+from .status import error_body
+
+
+def current(app):
+    """The Ingress serving ``app`` (it puts itself into the app's state when it starts)."""
+    ingress = getattr(app.state, "ingress", None)
+    if ingress is None:
+        raise KvsnapError("ingress not initialised")
+    return ingress
+
+
+def api_of(request: Request) -> SessionAPI:
+    return current(request.app).api
+
+
+async def final(events) -> TurnOutcome:
+    async for event in events:
+        if event.get("done"):
+            return event["outcome"]
+    raise as_kvsnap_error(RuntimeError("turn ended without a result"))
+
+
+async def first_event(events):
+    """Pull the first event before the response starts, so early errors get a real status code."""
+    iterator = events.__aiter__()
+    try:
+        first = await iterator.__anext__()
+    except StopAsyncIteration:
+        first = None
+    return first, iterator
+
+
+async def sse(events, shape, request: Request, done_marker: bool = False) -> StreamingResponse:
+    first, iterator = await first_event(events)
+
+    async def body():
+        try:
+            event = first
+            while event is not None:
+                yield f"data: {json.dumps(shape(event))}\n\n"
+                if await request.is_disconnected():
+                    break  # the client went away: stop generating
+                try:
+                    event = await iterator.__anext__()
+                except StopAsyncIteration:
+                    event = None
+            if done_marker:
+                yield "data: [DONE]\n\n"
+        except KvsnapError as exc:
+            yield f"data: {json.dumps(error_body(exc))}\n\n"
+        finally:
+            # A client disconnect cancels this task; closing the event stream is what stops the
+            # worker generating, so it must run to the end even inside the cancelled scope.
+            with anyio.CancelScope(shield=True):
+                await iterator.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream")

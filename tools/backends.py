@@ -1,0 +1,167 @@
+"""Where ``kvsnap eval`` runs a case: in-process on the engine (:class:`InProcess`), or against
+a running service through ``/v1/completions`` with ``x-session-id`` (:class:`OverHTTP`). Both
+answer with the same dicts, one per turn, that :func:`~.quality.evaluate` scores."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from kvsnap.errors import InvalidArgument
+
+from .specs import PolicySpec
+
+if TYPE_CHECKING:
+    from .quality import Case
+
+ANSWER_TOKENS = 8  # a 5-digit key and a little more
+LONGGEN_PROMPT = "\n\nA detailed account of everything in the text above, sentence by sentence:\n"
+
+
+class InProcess:
+    """Runs cases on an :class:`Engine` in this process."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def run(self, case: Case, spec: PolicySpec, window: int) -> list[dict]:
+        from kvsnap.engine import SamplingParams
+
+        policy, recompress, kivi = spec.build(window)
+        session = self.engine.new_session(policy, recompress=recompress)
+        out = []
+        for i, text in enumerate(case.turns):
+            t0 = time.perf_counter()
+            result = self.engine.turn(
+                session, self.engine.encode(text, first=i == 0), SamplingParams(max_new_tokens=ANSWER_TOKENS)
+            )
+            r = result.report
+            stored = round_trip(self.engine, session, kivi) if kivi else r.kv_bytes  # as the tier holds it
+            out.append(
+                {
+                    "text": result.text,
+                    "latency_s": time.perf_counter() - t0,
+                    "context_tokens": r.logical_len,
+                    "kv_bytes": stored,
+                    "full_kv_bytes": r.full_kv_bytes,
+                }
+            )
+        return out
+
+    def generate(self, case: Case, specs: list[PolicySpec], window: int, tokens: int) -> list[dict]:
+        """Long generation: full KV writes ``tokens`` tokens (greedy); every policy then reads the
+        same tokens back one at a time (teacher forcing, its decode-time eviction running) and
+        is scored on them: top-1 agreement with full KV, the tokens' mean negative log-likelihood,
+        decoding speed and the KV held at the end."""
+        from kvsnap.engine import SamplingParams
+
+        prompt = self.engine.encode(case.turns[0])
+        reference = self.engine.turn(
+            self.engine.new_session("full"), prompt, SamplingParams(max_new_tokens=tokens)
+        ).tokens
+        out = []
+        for spec in specs:
+            policy, recompress, kivi = spec.build(window)
+            session = self.engine.new_session(policy, recompress=recompress)
+            logits = self.engine.prefill(session, prompt)
+            if kivi:
+                round_trip(self.engine, session, kivi)  # the document resumed from a quantized tier
+            agree, nll, decode_s, most = 0, 0.0, 0.0, 0
+            for token in reference:
+                agree += int(logits.argmax()) == token
+                nll -= float(logits.log_softmax(-1)[token])
+                t0 = time.perf_counter()
+                logits = self.engine.force(session, token)
+                decode_s += time.perf_counter() - t0
+                most = max(most, session.kept_len)
+            out.append(
+                {
+                    "policy": spec.name,
+                    "tokens": len(reference),
+                    "agreement": agree / max(1, len(reference)),
+                    "nll": nll / max(1, len(reference)),
+                    "decode_tok_s": len(reference) / decode_s if decode_s else 0.0,
+                    "kv_bytes": packed_bytes(session, kivi) if kivi else session.kv_bytes,  # at the end
+                    "full_kv_bytes": session.full_kv_bytes,
+                    "kept_len_max": most,
+                    "logical_len": session.logical_len,
+                }
+            )
+        return out
+
+
+def packed_bytes(session, kivi) -> int:
+    """Bytes a KIVI-quantized tier would hold for the session's KV as it is now."""
+    return _at_rest(session).packed(kivi).nbytes
+
+
+def round_trip(engine, session, kivi) -> int:
+    """Put the session's KV through a KIVI-quantized tier and back (what a resumed session gets);
+    returns the bytes the tier held."""
+    from kvsnap.engine.cache import import_kv
+
+    packed = _at_rest(session).packed(kivi)  # what the tier stores (store/tiers.py)
+    session.cache = import_kv(engine.model.config, packed.unpacked().tensors, session.logical_len)
+    return packed.nbytes
+
+
+def _at_rest(session):
+    """The session's KV as a tier blob."""
+    from kvsnap.engine.cache import export_kv
+    from kvsnap.store.tiers import KVBlob
+
+    return KVBlob(export_kv(session.cache), session.logical_len, version=0)
+
+
+class OverHTTP:
+    """Runs cases against a running service through ``/v1/completions`` with ``x-session-id``."""
+
+    def __init__(self, url: str, api_key: str, model: str | None = None, timeout_s: float = 600.0):
+        import requests
+
+        self.url = url.rstrip("/")
+        self.http = requests.Session()
+        self.http.headers["Authorization"] = f"Bearer {api_key}"
+        self.timeout_s = timeout_s
+        self.model = model or self.http.get(f"{self.url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+    def run(self, case: Case, spec: PolicySpec, window: int) -> list[dict]:
+        if spec.quant:
+            raise InvalidArgument(f"{spec.name}: a service quantizes its tiers per deployment (kv_quant), not per turn")
+        sid = f"eval-{uuid.uuid4().hex[:16]}"
+        headers = {"x-session-id": sid}
+        prompt, out = "", []
+        try:
+            for text in case.turns:
+                prompt += text
+                t0 = time.perf_counter()
+                r = self.http.post(
+                    f"{self.url}/v1/completions",
+                    headers=headers,
+                    json={
+                        "model": self.model,
+                        "prompt": prompt,
+                        "max_tokens": ANSWER_TOKENS,
+                        "temperature": 0,
+                        "kvsnap": spec.settings(window),
+                    },
+                    timeout=self.timeout_s,
+                )
+                if r.status_code != 200:
+                    raise RuntimeError(f"service answered {r.status_code}: {r.text[:300]}")
+                completion = r.json()["choices"][0]["text"]
+                prompt += completion
+                state = self.http.get(f"{self.url}/v1/sessions/{sid}", timeout=30).json()
+                out.append(
+                    {
+                        "text": completion,
+                        "latency_s": time.perf_counter() - t0,
+                        "context_tokens": state["logical_len"],
+                        "kv_bytes": state["kv_bytes"],
+                        "full_kv_bytes": 0,  # the service reports what it holds, not the counterfactual
+                    }
+                )
+        finally:
+            self.http.delete(f"{self.url}/v1/sessions/{sid}", timeout=30)
+        return out

@@ -1,0 +1,102 @@
+"""``kvsnap serve`` (the service in the foreground: a local Ray, an embedded Redis unless
+``KVSNAP_REDIS_URL``, the Serve app, HTTP + gRPC) and ``kvsnap spot-watch`` (on a spot GPU
+node: drain it and move its sessions when the cloud announces a reclaim)."""
+
+from __future__ import annotations
+
+
+def cmd_serve(args) -> int:
+    """Local Ray, embedded Redis (unless KVSNAP_REDIS_URL), the app; foreground until Ctrl-C."""
+    import signal
+    import threading
+    from pathlib import Path
+
+    from kvsnap.service.config import ServiceConfig, ray_environment
+    from kvsnap.store.redis_server import redis_url_or_embedded
+
+    overrides = {
+        "model": args.model,
+        "replicas": args.replicas,
+        "http_port": args.http_port,
+        "grpc_port": args.grpc_port,
+        "http_host": args.host,
+        "data_dir": args.data_dir,
+        "kv_quant": args.kv_quant,
+    }
+    cfg, generated_key = ServiceConfig.from_env(**overrides).with_generated_key()
+    redis_url, embedded = redis_url_or_embedded(Path(cfg.data_dir) / "redis")
+    print(f"redis: {'embedded at ' + redis_url if embedded else 'KVSNAP_REDIS_URL'}", flush=True)
+    ray_environment(cfg.fast_path)  # before Ray is imported
+    try:
+        import ray
+        from ray import serve
+
+        from kvsnap.service.app import APP_NAME, build_app
+
+        cpus = max(2, int(cfg.replicas * cfg.cpus_per_replica + 0.999))
+        # address="local": always a Ray of its own, never one found on the machine (`ray start`)
+        ray.init(
+            address="local", num_cpus=cpus, include_dashboard=False, configure_logging=True, logging_level="WARNING"
+        )
+        serve.start(http_options={"host": cfg.http_host, "port": cfg.http_port})
+        print(
+            f"loading {cfg.model!r} on {cfg.replicas} replica(s); the first run converts the embedded model "
+            "once (about a minute)...",
+            flush=True,
+        )
+        serve.run(build_app(cfg, redis_url), name=APP_NAME, route_prefix="/")
+        print(f"\nkvsnap is serving\n  HTTP  http://{cfg.http_host}:{cfg.http_port}  (OpenAPI: /docs)")
+        if cfg.grpc_port:
+            print(f"  gRPC  {cfg.http_host}:{cfg.grpc_port}  (reflection on)")
+        if generated_key:
+            print(f"  API key (tenant 'default'): {generated_key}")
+        else:
+            print(f"  API keys: {len(cfg.api_keys)} configured")
+        print("Ctrl-C stops everything.", flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            pass
+        print("\nshutting down...", flush=True)
+        serve.shutdown()
+        ray.shutdown()
+    finally:
+        if embedded:
+            embedded.stop()
+    return 0
+
+
+def cmd_spot_watch(args) -> int:
+    """Run on each GPU spot node: drain it and move its sessions when AWS announces a reclaim."""
+    import functools
+    import os
+
+    import ray
+
+    from kvsnap.cluster.spot import SpotWatcher, local_worker_replicas, poll_aws, ray_drain_node
+
+    key = args.admin_key or os.environ.get("KVSNAP_ADMIN_KEY")
+    if not key and args.admin_key_file:
+        with open(os.path.expanduser(args.admin_key_file), encoding="utf-8") as fh:
+            key = fh.read().strip()
+    if not key:
+        raise SystemExit(
+            "kvsnap spot-watch: pass --admin-key, --admin-key-file or set KVSNAP_ADMIN_KEY "
+            "(one of the service's KVSNAP_ADMIN_KEYS; tenant keys cannot drain)"
+        )
+    ray.init(address=args.ray_address, logging_level="WARNING")
+    node_id = ray.get_runtime_context().get_node_id()
+    watcher = SpotWatcher(
+        kvsnap_url=args.kvsnap_url,
+        admin_key=key,
+        poll=functools.partial(poll_aws, args.metadata_url),
+        replicas=functools.partial(local_worker_replicas, node_id),
+        drain_node=functools.partial(ray_drain_node, node_id),
+        interval_s=args.interval,
+    )
+    print(f"watching {args.metadata_url} every {args.interval}s for node {node_id}", flush=True)
+    watcher.run()
+    return 0

@@ -1,0 +1,106 @@
+"""Policy specs of ``kvsnap eval`` and ``kvsnap generate --decode``: a policy in a few
+characters (``snapkv:256``, ``reselect:256``, ``snapkv:256+h2o:64@kivi2``), turned into the
+session settings the API takes or the policy object the engine takes. The names are the
+registered policies' (``kvsnap.policies.POLICIES``), a policy registered by a module of one's
+own included."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvsnap.errors import InvalidArgument
+
+
+def _spec_names() -> tuple[list[str], list[str]]:
+    """The prefill and decode policy names a spec may use: every registered policy (a policy
+    registered by a module of one's own too), and ``reselect`` (SnapKV re-selecting per turn)."""
+    from kvsnap.policies import POLICIES, evictor_names
+
+    return ["reselect", *sorted(n for n in POLICIES if n != "full")], evictor_names()
+
+
+def _spec_pattern() -> re.Pattern:
+    prefill, decode = _spec_names()
+    return re.compile(
+        rf"^(?P<policy>full|(?:{'|'.join(prefill)}):(?P<budget>[1-9][0-9]*))"
+        rf"(?:\+(?P<decode>{'|'.join(decode)}):(?P<decode_budget>[1-9][0-9]*))?"
+        r"(?:@(?P<quant>kivi2|kivi4))?$"
+    )
+
+
+SINKS = 4  # streaming's attention sinks, here and as a decode-time policy
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    """A policy named on the command line: ``<prefill>[+<decode>:<budget>][@kivi2|@kivi4]``.
+
+    Prefill: ``full`` | ``snapkv:B`` | ``reselect:B`` | ``streaming:B`` | ``h2o:B`` |
+    ``scissorhands:B``. Each compressing one holds B + the observation window rows per KV
+    head after prefill, a like-for-like comparison:
+
+    - ``reselect:B`` is SnapKV with budget B that re-selects every turn from the full cache
+      kept in the host tier (``recompress="reselect"``); ``snapkv:B`` re-selects from what it kept.
+    - ``streaming:B`` keeps 4 sink rows and a recent window of B + window - 4 rows.
+    - ``h2o:B`` / ``scissorhands:B``: B rows by their rule, plus the window as the recent rows;
+      they also evict while decoding (capacity B + window).
+
+    ``+h2o:D`` / ``+scissorhands:D`` / ``+streaming:D``: evict while decoding with that policy,
+    capacity D + window (e.g. ``snapkv:256+h2o:128``). ``@kivi2`` / ``@kivi4``: the session's KV
+    is KIVI-quantized between turns, as a quantized host tier stores it (in-process only; a
+    service quantizes per deployment, ``kv_quant``). A first turn is never affected by it.
+    """
+
+    name: str
+    policy: str
+    budget: int = 0
+    decode: str = ""
+    decode_budget: int = 0
+    quant: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> PolicySpec:
+        m = _spec_pattern().match(text.strip())
+        if m is None:
+            prefill, decode = _spec_names()
+            raise InvalidArgument(
+                f"policy spec {text!r}: use full or <policy>:<budget> with policy one of {', '.join(prefill)}, "
+                f"optionally +<decoder>:<budget> ({', '.join(decode)}) and @kivi2 or @kivi4"
+            )
+        policy = m["policy"].partition(":")[0]
+        return cls(
+            text.strip(),
+            policy,
+            int(m["budget"] or 0),
+            m["decode"] or "",
+            int(m["decode_budget"] or 0),
+            m["quant"] or "",
+        )
+
+    def settings(self, window: int) -> dict:
+        """The session settings (as the API takes them) that realise this spec (``@kivi`` aside)."""
+        if self.policy == "full":
+            out = {"policy": "full"}
+        elif self.policy in ("snapkv", "reselect"):  # the paper's pooling, spelled out: a service may differ
+            recompress = "reselect" if self.policy == "reselect" else "per_turn"
+            snapkv = {"policy": "snapkv", "budget": self.budget, "window": window, "kernel": 7, "pooling": "max"}
+            out = snapkv | {"recompress": recompress}
+        elif self.policy == "streaming":
+            out = {"policy": "streaming", "window": self.budget + window - SINKS, "sinks": SINKS}
+        else:  # h2o, scissorhands, and any registered policy with a budget and a window
+            out = {"policy": self.policy, "budget": self.budget, "window": window}
+        if self.decode == "streaming":
+            out["decode"] = {"policy": "streaming", "window": self.decode_budget + window - SINKS, "sinks": SINKS}
+        elif self.decode:
+            out["decode"] = {"policy": self.decode, "budget": self.decode_budget, "window": window}
+        return out
+
+    def build(self, window: int):
+        """(policy, recompress, KIVI or None) for an in-process session."""
+        from kvsnap.policies import make_policy
+        from kvsnap.policies.kivi import parse_kivi
+
+        settings = self.settings(window)
+        recompress = settings.pop("recompress", "per_turn")
+        return make_policy(settings.pop("policy"), **settings), recompress, parse_kivi(self.quant)
