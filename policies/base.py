@@ -102,6 +102,35 @@ class Policy:
         return None
 
 
+class Wrapper:
+    """Mixin for a policy that selects rows as the policy it wraps does (``wrapped``): Compose
+    and Reselect. Its ``window``, ``budget`` and ``ratio`` mirror the wrapped policy's (the
+    window is the observation window the engine captures); call :meth:`_mirror` after checks."""
+
+    __slots__ = ()
+
+    @property
+    def wrapped(self) -> Policy:
+        raise NotImplementedError
+
+    def _mirror(self) -> None:
+        for name in ("window", "budget", "ratio"):
+            object.__setattr__(self, name, getattr(self.wrapped, name))
+
+    @property
+    def compresses_anything(self) -> bool:
+        return self.wrapped.compresses_anything
+
+    def prefix_budget(self, prefix_len: int) -> int:
+        return self.wrapped.prefix_budget(prefix_len)
+
+    def select(self, window_queries, keys, scale=None, logical_len=None, chunk=None) -> torch.Tensor:
+        return self.wrapped.select(window_queries, keys, scale, logical_len, chunk)
+
+    def score(self, window_queries, keys, scale=None) -> torch.Tensor:
+        return self.wrapped.score(window_queries, keys, scale)
+
+
 def window_attention(
     window_queries: torch.Tensor, keys: torch.Tensor, scale: float | None = None, chunk: int | None = None
 ) -> torch.Tensor:

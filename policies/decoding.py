@@ -22,7 +22,7 @@ import torch
 
 from kvsnap.errors import InvalidArgument
 
-from .base import Policy
+from .base import Policy, Wrapper
 
 
 class Evictor:
@@ -64,11 +64,9 @@ class Evictor:
 
 
 @dataclass(frozen=True, slots=True)
-class Compose(Policy):
+class Compose(Wrapper, Policy):
     """``prefill``'s selection when a prompt is prefilled, ``decode``'s eviction while decoding.
-
-    ``window``, ``budget`` and ``ratio`` mirror the prefill policy's (the window is the
-    observation window the engine captures)."""
+    ``window``, ``budget`` and ``ratio`` mirror the prefill policy's."""
 
     name = "compose"
 
@@ -88,21 +86,11 @@ class Compose(Policy):
                 f"decode policy must evict while decoding (one of {', '.join(evictor_names())}), "
                 f"got {getattr(self.decode, 'name', self.decode)!r}"
             )
-        for name in ("window", "budget", "ratio"):
-            object.__setattr__(self, name, getattr(self.prefill, name))
+        self._mirror()
 
     @property
-    def compresses_anything(self) -> bool:
-        return self.prefill.compresses_anything
-
-    def prefix_budget(self, prefix_len: int) -> int:
-        return self.prefill.prefix_budget(prefix_len)
-
-    def select(self, window_queries, keys, scale=None, logical_len=None, chunk=None) -> torch.Tensor:
-        return self.prefill.select(window_queries, keys, scale, logical_len, chunk)
-
-    def score(self, window_queries, keys, scale=None) -> torch.Tensor:
-        return self.prefill.score(window_queries, keys, scale)
+    def wrapped(self) -> Policy:
+        return self.prefill
 
     def decoder(self) -> Policy:
         return self.decode

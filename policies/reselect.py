@@ -12,15 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from kvsnap.errors import InvalidArgument
 
-from .base import Policy
+from .base import Policy, Wrapper
 
 
 @dataclass(frozen=True, slots=True)
-class Reselect(Policy):
+class Reselect(Wrapper, Policy):
     name = "reselect"
     reselects = True
 
@@ -38,21 +36,11 @@ class Reselect(Policy):
             raise InvalidArgument(
                 f"recompress='reselect' does not combine with decode-time eviction ({self.inner.name})"
             )
-        for name in ("window", "budget", "ratio"):
-            object.__setattr__(self, name, getattr(self.inner, name))
+        self._mirror()
 
     @property
-    def compresses_anything(self) -> bool:
-        return self.inner.compresses_anything
-
-    def prefix_budget(self, prefix_len: int) -> int:
-        return self.inner.prefix_budget(prefix_len)
-
-    def select(self, window_queries, keys, scale=None, logical_len=None, chunk=None) -> torch.Tensor:
-        return self.inner.select(window_queries, keys, scale, logical_len, chunk)
-
-    def score(self, window_queries, keys, scale=None) -> torch.Tensor:
-        return self.inner.score(window_queries, keys, scale)
+    def wrapped(self) -> Policy:
+        return self.inner
 
     def fingerprint(self) -> str:
         return f"{self.inner.fingerprint()}+reselect"
