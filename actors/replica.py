@@ -162,8 +162,10 @@ class WorkerReplica:
             for token in stream:
                 yield {"t": token, "d": detok.take()}
         finally:
-            stream.close()  # client gone: stop generating; the worker commits what was generated
-            self.ongoing -= 1
+            try:
+                stream.close()  # client gone: stop generating; the worker commits what was generated
+            finally:
+                self.ongoing -= 1
         entry = self.worker.held.get(req.key)
         yield {
             "done": True,

@@ -149,9 +149,15 @@ class SessionStore:
                 self._restore(session, entry, imported, tokens, marks, self._import(entry, part="full"))
                 self.counters["imports"] += 1
                 return session, "imported"
-            self._rebuild(session, entry, held if current else None)
-            self.counters["rebuilds"] += 1
-            return session, "rebuilt"
+            if entry.log_len == 0 and entry.turns == 0:
+                raise Conflict(
+                    f"session {entry.session_id!r} is still being opened (its first turn has not been committed); "
+                    "retry, or open it again if that turn failed"
+                )
+            current_held = held if current else None
+        self._rebuild(session, entry, current_held)  # model work: outside the store's lock (heartbeats go on)
+        self.counters["rebuilds"] += 1
+        return session, "rebuilt"
 
     def _restore(self, session, entry, blob: KVBlob, transcript, marks, full: KVBlob | None) -> None:
         session.cache = import_kv(self.engine.model.config, blob.tensors, blob.logical_len)
@@ -201,9 +207,13 @@ class SessionStore:
 
     # -- writing -------------------------------------------------------------------------
     def create(self, entry: SessionEntry) -> None:
-        """Register a new session (version 1, empty log: its first commit carries the tokens)."""
-        if self.directory.get(entry.tenant, entry.session_id) is not None:
-            raise Conflict(f"session {entry.session_id!r} already exists")
+        """Register a new session (version 1, empty log: its first commit carries the tokens). An
+        entry whose first turn never committed (its replica died while opening it) is replaced."""
+        existing = self.directory.get(entry.tenant, entry.session_id)
+        if existing is not None:
+            if existing.log_len or existing.turns or existing.version > 1:
+                raise Conflict(f"session {entry.session_id!r} already exists")
+            self.directory.delete(entry.tenant, entry.session_id)
         self.directory.create(entry, [])
 
     def commit(self, key: str, entry: SessionEntry, session: Session, messages: list[dict], turn_id: str = "") -> None:
@@ -303,13 +313,13 @@ class SessionStore:
         return exported
 
     # -- liveness and re-registration ----------------------------------------------------
-    def heartbeat(self, load: dict | None = None) -> None:
-        """Refresh this worker's heartbeat (and its published ``load``); re-register held
-        sessions Redis lost or missed; forget sessions idle past the TTL."""
+    def heartbeat(self, load=None) -> None:
+        """Refresh this worker's heartbeat (then publish ``load()``, its numbers); re-register
+        held sessions Redis lost or missed; forget sessions idle past the TTL."""
         alive = self.directory.worker_alive(self.worker_id, self.epoch)
         self.directory.heartbeat(self.worker_id, self.epoch)
         if load is not None:
-            self.directory.publish_load(self.worker_id, load)
+            self.directory.publish_load(self.worker_id, load())
         self._expire_idle()
         with self.lock:
             todo = [k for k, h in self.held.items() if h.dirty or not alive]

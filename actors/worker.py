@@ -37,7 +37,7 @@ class Worker:
         self.sessions = SessionStore(engine, directory, store, worker_id)
         self.worker_id = self.sessions.worker_id
         self.directory, self.store, self.counters = directory, store, self.sessions.counters
-        self._model = threading.Lock()  # one model: turns run one at a time
+        self._model = threading.RLock()  # one model: turns run one at a time
         self._stop = threading.Event()
         self.draining = False
         self._resume: threading.Timer | None = None  # ends a drain (see drain)
@@ -152,7 +152,7 @@ class Worker:
     # -- liveness and drains -------------------------------------------------------------
     def heartbeat(self) -> None:
         """Refresh this worker's heartbeat; re-register held sessions Redis lost or missed."""
-        self.sessions.heartbeat(self.stats())
+        self.sessions.heartbeat(load=self.stats)
 
     def start_heartbeat(self, interval_s: float = 2.0) -> threading.Thread:
         def loop():

@@ -62,9 +62,11 @@ class TurnStream:
     def close(self) -> None:
         """Stop generating (the client went away); the session stays consistent. A stream that
         is never iterated must be closed, so that its session is free for the next turn."""
-        self.tokens.close()
-        if self.on_close is not None:
-            self.on_close()
+        try:
+            self.tokens.close()
+        finally:
+            if self.on_close is not None:
+                self.on_close()
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ import dataclasses
 import importlib
 import json
 import re
+import types
 import typing
 
 from kvsnap.errors import InvalidArgument
@@ -65,8 +66,9 @@ def policy_params(name: str) -> dict[str, type]:
     for f in dataclasses.fields(cls):
         if f.init:
             kind = hints.get(f.name, str)
-            args = [a for a in typing.get_args(kind) if a is not type(None)]
-            out[f.name] = args[0] if args else kind
+            if typing.get_origin(kind) in (typing.Union, types.UnionType):  # "float | None" -> float
+                kind = next(a for a in typing.get_args(kind) if a is not type(None))
+            out[f.name] = kind if kind in (bool, int, float, str) else str
     return out
 
 

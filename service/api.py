@@ -170,14 +170,14 @@ class SessionAPI:
 
     async def delete(self, tenant: str, session_id: str) -> None:
         sid = check_id("session id", session_id)
-        await self._call("delete", tenant, sid, tenant, sid)
+        await self._call("delete", f"{tenant}/{sid}", tenant, sid)
 
     async def drain(self, worker_id: str, resume_after_s: float = DRAIN_RESUME_S) -> int:
         """Drain one replica by its id (NotFound, nothing drained, when no live replica has it)."""
         check_id("worker id", worker_id)
         if not await asyncio.to_thread(self.directory.worker_known, worker_id):
             raise NotFound(f"no worker {worker_id!r} (see GET /metrics for the live ones)")
-        return await self._call("drain", "", f"worker:{worker_id}", worker_id, resume_after_s)
+        return await self._call("drain", f"worker:{worker_id}", worker_id, resume_after_s)
 
     # -- building and running turns (the OpenAI routes use these too) -------------------------
     def open_session(
@@ -244,6 +244,8 @@ class SessionAPI:
                             yield {"text": delta, "ids": unsent}
                             unsent = []
                         if "done" in batch[-1]:
+                            if unsent:  # tokens behind no text (a stop string's, a partial character)
+                                yield {"text": "", "ids": unsent}
                             outcome = self._outcome(sid, ids, batch[-1], started, first_token_at)
                             yield {"done": True, "outcome": outcome}
                 return
@@ -290,8 +292,9 @@ class SessionAPI:
                 return event["outcome"]
         raise Unavailable("the worker ended the turn without a result")
 
-    async def _call(self, method: str, tenant: str, key_sid: str, *args):
-        key = key_sid if key_sid.startswith("worker:") else f"{tenant}/{key_sid}"
+    async def _call(self, method: str, key: str, *args):
+        """``method(*args)`` on the replica the router picks for ``key``: "<tenant>/<session>" (its
+        holder) or "worker:<id>" (that replica; admin calls). A session id never contains "/"."""
         retry_until = time.monotonic() + min(RETRY_WINDOW_S, self.cfg.request_timeout_s)
         for attempt in itertools.count():
             try:

@@ -39,6 +39,7 @@ class ServiceConfig(BaseModel):
     redis_url: str | None = Field(None, description="redis:// or rediss:// URL; unset = start an embedded redis")
     data_dir: str = Field(
         ".kvsnap",
+        validate_default=True,
         description="embedded Redis data and the disk tier live here (made absolute against the working "
         "directory where the config is built: child processes and replicas run elsewhere)",
     )

@@ -93,7 +93,12 @@ class KvsnapServicer(pb2_grpc.KvsnapServicer):
 
     async def Turn(self, request, context):
         events = self.api.turn(
-            self._tenant(context), request.session_id, request.message, _sampling(request.sampling), False, "grpc"
+            self._tenant(context),
+            request.session_id,
+            request.message,
+            _sampling(request.sampling),
+            request.raw,
+            "grpc",
         )
         try:
             async for event in events:

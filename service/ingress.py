@@ -19,11 +19,11 @@ from ray import serve
 from starlette.datastructures import Headers
 
 from kvsnap.engine.models import tokenizer_for
-from kvsnap.errors import InvalidArgument, KvsnapError, PayloadTooLarge
+from kvsnap.errors import InvalidArgument, KvsnapError, PayloadTooLarge, PermissionDenied
 from kvsnap.store.directory import SessionDirectory
 
 from .api import DRAIN_RESUME_S, SessionAPI, TurnOutcome, state_view
-from .auth import ADMIN_PREFIX, OPEN_PATHS, check_admin, tenant_for
+from .auth import ADMIN, ADMIN_PREFIX, OPEN_PATHS, check_admin, tenant_for
 from .config import ServiceConfig
 from .grpc_server import start_grpc_server
 from .metrics import Metrics
@@ -190,6 +190,8 @@ async def delete_session(session_id: str, request: Request):
 async def drain_worker(worker_id: str, request: Request, resume_after_s: float = DRAIN_RESUME_S):
     """The replica stops taking turns, hands each session's KV over through Redis, stays out of
     placement for ``resume_after_s`` seconds, then takes sessions again. 404 for an unknown id."""
+    if request.state.tenant != ADMIN:  # the edge let it through as an admin call, or nothing does
+        raise PermissionDenied("admin routes take an admin key")
     if not 0 <= resume_after_s <= 86400:
         raise InvalidArgument("resume_after_s must be in [0, 86400]")
     exported = await api_of(request).drain(worker_id, resume_after_s)

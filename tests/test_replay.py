@@ -159,26 +159,68 @@ def test_a_second_concurrent_turn_is_refused_before_any_model_work(llama_engine,
     assert worker.counters["rebuilds"] == 0 and worker.counters["conflicts"] == 0
 
 
-def test_concurrent_turns_from_two_threads_one_wins_the_other_is_refused(llama_engine, directory_factory):
+def test_a_turn_from_another_thread_is_refused_while_one_runs(llama_engine, directory_factory):
     worker = make_worker(llama_engine, directory_factory(), "w1")
     worker.open("acme", "race", DOCUMENT, make_policy("full"), sampling=SAMPLING)
-    results, barrier = [], threading.Barrier(2)
+    running, done = threading.Event(), threading.Event()
+    outcome = {}
 
-    def go(question):
-        barrier.wait()
-        try:
-            results.append(worker.turn("acme", "race", question, SamplingParams(max_new_tokens=20)).source)
-        except Conflict:
-            results.append("409")
+    def first():  # a turn that is mid-way (one token out) while the second arrives
+        stream = worker.stream(TurnRequest("acme", "race", QUESTIONS[0], SamplingParams(max_new_tokens=8)))
+        next(iter(stream))
+        running.set()
+        done.wait(30)
+        outcome["first"] = 1 + len(list(stream))
 
-    threads = [threading.Thread(target=go, args=(q,)) for q in QUESTIONS[:2]]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sorted(results) == ["409", "device"]
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert running.wait(30)
+    with pytest.raises(Conflict, match="in progress"):
+        worker.turn("acme", "race", QUESTIONS[1], SAMPLING)
+    done.set()
+    thread.join()
+    assert outcome["first"] == 8
     assert worker.turn("acme", "race", QUESTIONS[2], SAMPLING).source == "device"
-    assert worker.counters["rebuilds"] == 0
+    assert worker.counters["rebuilds"] == 0 and worker.counters["conflicts"] == 0
+
+
+def test_a_turn_cut_by_a_disconnect_is_replayed_as_it_ran(tiny_engine, directory_factory):
+    """A client that went away after two tokens: the turn committed what it generated (the last
+    token pending); a rebuild replays exactly that, and the next turns equal the twin's."""
+
+    def run(worker, sid):
+        make, recompress = POLICIES["snapkv+h2o"]
+        worker.open("acme", sid, DOCUMENT, make(), recompress, SAMPLING)
+        stream = worker.stream(TurnRequest("acme", sid, QUESTIONS[0], SamplingParams(max_new_tokens=50)))
+        tokens = iter(stream)
+        next(tokens), next(tokens)
+        stream.close()  # the disconnect
+
+    directory = directory_factory()
+    plain = make_worker(tiny_engine, directory, "twin")
+    run(plain, "twin")
+    want = [tokens for tokens, _ in run_turns(plain, "twin", AFTER)]
+    first = make_worker(tiny_engine, directory, "w1")
+    run(first, "s")
+    assert directory.get("acme", "s").turns == 2  # the cut turn was committed
+    second = make_worker(tiny_engine, directory, "w2")
+    got = run_turns(second, "s", AFTER)
+    assert got[0][1] == "rebuilt" and [tokens for tokens, _ in got] == want
+    assert_same_kv(stored_kv(second, "s"), stored_kv(plain, "twin"))
+
+
+def test_a_session_whose_first_turn_never_committed_is_refused_then_reopened(llama_engine, directory_factory):
+    from kvsnap.store.directory import SessionEntry
+
+    directory = directory_factory()
+    directory.create(SessionEntry("acme", "orphan", policy='{"name": "full", "params": {}}'), [])  # opener died
+    worker = make_worker(llama_engine, directory, "w1")
+    with pytest.raises(Conflict, match="still being opened"):
+        worker.turn("acme", "orphan", QUESTIONS[0], SAMPLING)  # never answered without its document
+    opened = worker.open("acme", "orphan", DOCUMENT, make_policy("full"), sampling=SAMPLING)
+    assert opened.source == "new" and directory.get("acme", "orphan").log_len > len(DOCUMENT)
+    with pytest.raises(Conflict, match="already exists"):  # a real session is never replaced
+        worker.open("acme", "orphan", DOCUMENT, make_policy("full"), sampling=SAMPLING)
 
 
 def test_a_stream_closed_before_it_ran_frees_its_session(llama_engine, directory_factory):

@@ -134,6 +134,7 @@ def test_three_turns_over_grpc_equal_the_engine(service, llama_engine):
             )
         )
         assert chunks[-1].done and chunks[-1].state.turns >= 2
+        assert sum(len(c.token_ids) for c in chunks) == chunks[-1].completion_tokens  # every token id, once
         got.append("".join(c.text for c in chunks))
     assert got == want
     assert stub.GetSession(pb2.SessionRef(session_id="grpc-3"), metadata=md()).turns == 4
@@ -620,6 +621,29 @@ def test_admin_routes_take_admin_keys_and_real_worker_ids_only(service):
     assert not any(load["draining"] for load in SessionDirectory(service.redis_url).loads().values())
     again = turn(service, "admin-probe", QUESTIONS[1]).json()
     assert again["worker"] == holder and again["source"] == "device"
+
+
+def test_the_default_data_dir_is_absolute_under_the_working_directory(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KVSNAP_DATA_DIR", raising=False)
+    for cfg in (ServiceConfig(), ServiceConfig.from_env(), ServiceConfig(data_dir="rel")):
+        assert os.path.isabs(cfg.data_dir) and cfg.data_dir.startswith(str(tmp_path)), cfg.data_dir
+        assert ServiceConfig(**cfg.model_dump()).data_dir == cfg.data_dir  # what a replica rebuilds
+
+
+def test_a_raw_grpc_turn_sends_the_message_verbatim(service):
+    stub = grpc_stub(service)
+    stub.CreateSession(
+        pb2.CreateSessionRequest(session_id="grpc-raw", document=DOC, settings=pb2.SessionSettings(policy="full")),
+        metadata=md(),
+    )
+    message = " and then"
+    raw = list(stub.Turn(pb2.TurnRequest(session_id="grpc-raw", message=message, raw=True), metadata=md()))[-1]
+    templated = list(stub.Turn(pb2.TurnRequest(session_id="grpc-raw", message=message), metadata=md()))[-1]
+    # prefilled: the message's tokens and the previous answer's pending one; the template adds its own
+    assert raw.prompt_tokens < templated.prompt_tokens
 
 
 def test_admin_routes_are_off_without_admin_keys():

@@ -39,7 +39,7 @@ def _add_policy_args(parser: argparse.ArgumentParser) -> None:
     for param, (kind, names) in sorted(owners.items()):
         parser.add_argument(
             f"--{param.replace('_', '-')}",
-            type=kind if kind in (int, float) else str,
+            type=str if kind is bool else kind,  # a bool is parsed by coerce_params ("true" / "false")
             default=CLI_POLICY_DEFAULTS.get(param),
             help=f"a parameter of {', '.join(names)} (default: {CLI_POLICY_DEFAULTS.get(param, 'the policy default')})",
         )
@@ -57,9 +57,10 @@ def _policy_from(args):
     from kvsnap.policies import coerce_params, make_policy, policy_params
     from kvsnap.tools.specs import PolicySpec
 
-    params = {k: getattr(args, k) for k in policy_params(args.policy) if getattr(args, k, None) is not None}
-    extra = dict(item.partition("=")[::2] for item in args.param)
-    params |= coerce_params(args.policy, extra)
+    given = {k: getattr(args, k) for k in policy_params(args.policy) if getattr(args, k, None) is not None}
+    params = {k: v for k, v in given.items() if not isinstance(v, str)}
+    text = {k: v for k, v in given.items() if isinstance(v, str)} | dict(p.partition("=")[::2] for p in args.param)
+    params |= coerce_params(args.policy, text)
     if args.decode:
         params["decode"] = PolicySpec.parse(f"full+{args.decode}").settings(args.window)["decode"]
     return make_policy(args.policy, **params)
@@ -96,13 +97,9 @@ def cmd_generate(args) -> int:
     for i, text in enumerate(turns):
         print(f"\n--- turn {i + 1}: {text[-80:]!r}")
         stream = engine.stream(session, engine.encode(text, first=i == 0), sampling)
-        emitted = ""
-        generated: list[int] = []
-        for token in stream:
-            generated.append(token)
-            full = engine.decode(generated)
-            print(full[len(emitted) :], end="", flush=True)
-            emitted = full
+        for _ in stream:
+            print(stream.detok.take(), end="", flush=True)  # the text, detokenized once
+        print(stream.detok.take(final=True), end="", flush=True)
         r = stream.report
         print(
             f"\n[{policy.name}] prompt {r.prompt_tokens} tok, generated {r.generated_tokens}, "
