@@ -111,7 +111,13 @@ class SessionStore:
             raise NotFound(f"session {session_id!r} not found")
         held = self.held.get(key)
         if held and held.dirty and held.entry.version > entry.version:
-            return _copy(held.entry)  # our offline turns are newer than Redis: replayed on commit
+            # our turns while Redis was down are newer: write them back before this turn, whose
+            # commit follows them (else its compare-and-set would fail and they would be lost)
+            try:
+                self._resync(key)
+            except Unavailable:
+                pass  # still unreachable: this turn's commit is kept locally too
+            return _copy(held.entry)
         return entry
 
     def messages(self, tenant: str, session_id: str) -> list[dict]:

@@ -136,6 +136,27 @@ def test_redis_killed_and_restarted_loses_nothing(llama_engine, tmp_path):
         server.stop()
 
 
+def test_turns_served_while_redis_was_down_survive_a_turn_before_the_next_heartbeat(llama_engine, tmp_path):
+    from kvsnap.store.directory import SessionDirectory
+
+    server = EmbeddedRedis(tmp_path / "data").start()
+    try:
+        worker = make_worker(llama_engine, SessionDirectory(server.url))
+        conv = conversation(11) + [random_tokens(6, seed=88)]
+        answers = [worker.open("acme", "s", conv[0], FULL, sampling=SAMPLING).tokens]
+        server.kill()
+        answers.append(worker.turn("acme", "s", conv[1], SAMPLING).tokens)  # kept locally (Redis down)
+        server = EmbeddedRedis(tmp_path / "data", port=server.port).start()
+        # Redis is back with the older version; the next turn comes before any heartbeat
+        answers.append(worker.turn("acme", "s", conv[2], SAMPLING).tokens)
+        entry = worker.directory.get("acme", "s")
+        assert entry.turns == 3 and worker.counters["conflicts"] == 0  # the offline turn was not lost
+        assert answers == reference(llama_engine, conv)
+        assert len(worker.directory.tokens("acme", "s")) == entry.log_len
+    finally:
+        server.stop()
+
+
 def test_empty_redis_is_refilled_on_the_next_turn(llama_engine, tmp_path):
     from kvsnap.store.directory import SessionDirectory
 
