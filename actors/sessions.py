@@ -11,6 +11,7 @@ Turn execution is elsewhere (:mod:`.worker`): this module knows nothing of decod
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -113,10 +114,8 @@ class SessionStore:
         if held and held.dirty and held.entry.version > entry.version:
             # our turns while Redis was down are newer: write them back before this turn, whose
             # commit follows them (else its compare-and-set would fail and they would be lost)
-            try:
+            with contextlib.suppress(Unavailable):  # still unreachable: this turn's commit stays local too
                 self._resync(key)
-            except Unavailable:
-                pass  # still unreachable: this turn's commit is kept locally too
             return _copy(held.entry)
         return entry
 
@@ -235,7 +234,7 @@ class SessionStore:
             updated.tier = self.tiers.put(key, blob) or "dropped"
             self._store_full_copy(key, session, expected + 1)
             held = self.held.get(key)
-            all_messages = (held.messages if held and held.entry.version == expected else []) + messages
+            all_messages = self._messages_before(entry, held) + messages
             try:  # one commit per turn: its mark is the session's last
                 self.directory.commit(updated, expected, session.transcript[logged:], messages, session.marks[-1:])
             except Conflict:
@@ -249,6 +248,18 @@ class SessionStore:
                 return
             self.held[key] = self._held(updated, session, all_messages)
             self._record_moves()
+        with contextlib.suppress(Unavailable):  # a chat can be resumed by its content (implicit sessions)
+            self.directory.register_conversation(entry.tenant, entry.session_id, all_messages)
+
+    def _messages_before(self, entry: SessionEntry, held: Held | None) -> list[dict]:
+        """The session's message log before this turn: this worker's copy when it holds the
+        session's current version, else the directory's (a session that moved here)."""
+        if held is not None and held.entry.version == entry.version:
+            return held.messages
+        try:
+            return self.directory.messages(entry.tenant, entry.session_id)
+        except Unavailable:
+            return []  # unknown while Redis is down: the log in Redis keeps it, the local copy lacks it
 
     @staticmethod
     def _held(entry: SessionEntry, session: Session, messages: list[dict], dirty: bool = False) -> Held:

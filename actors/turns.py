@@ -43,6 +43,7 @@ class TurnRequest:
     log: list[dict] = field(default_factory=list)  # messages appended to the session's message log
     answer_role: str | None = None  # log the answer under this role (None: not logged)
     turn_id: str = ""  # the caller's id for the turn, stored with its commit (the entry's last_turn)
+    expected_version: int = 0  # > 0: the session's version the caller built the turn on (else Conflict)
 
     @property
     def key(self) -> str:

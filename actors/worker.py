@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from kvsnap.engine.engine import Engine, TurnResult, TurnStream
 from kvsnap.engine.sampling import SamplingParams
 from kvsnap.engine.session import Session
-from kvsnap.errors import Unavailable
+from kvsnap.errors import Conflict, Unavailable
 from kvsnap.policies import Policy, policy_to_json
 from kvsnap.store.directory import SessionDirectory, SessionEntry
 from kvsnap.store.tiers import TieredStore
@@ -67,6 +67,11 @@ class Worker:
                 if self.draining:
                     raise Unavailable("worker is draining; retry (the session moves to another worker)")
                 entry = self.sessions.entry(req.tenant, req.session_id)
+                if req.expected_version and entry.version != req.expected_version:
+                    raise Conflict(
+                        f"session {req.session_id!r} changed since this turn was built on it "
+                        f"(version {entry.version}, expected {req.expected_version})"
+                    )
                 with self._model:  # a rebuild runs the model
                     session, source = self.sessions.load(req.key, entry)
             stream = self.engine.stream(session, req.tokens, req.sampling)

@@ -199,9 +199,11 @@ class SessionAPI:
         return self.stream(req, protocol, streaming)
 
     @staticmethod
-    def next_turn(tenant, session_id, tokens, sampling, log, answer_role) -> TurnRequest:
-        """A turn on an existing session, with an id of its own (see the retry rule in _stream)."""
-        return TurnRequest(tenant, session_id, tokens, sampling, None, log, answer_role, uuid.uuid4().hex)
+    def next_turn(tenant, session_id, tokens, sampling, log, answer_role, expected_version=0) -> TurnRequest:
+        """A turn on an existing session, with an id of its own (see the retry rule in stream)."""
+        return TurnRequest(
+            tenant, session_id, tokens, sampling, None, log, answer_role, uuid.uuid4().hex, expected_version
+        )
 
     async def stream(self, req: TurnRequest, protocol: str, streaming: bool = True):
         """Events from the worker: {"text": delta, "ids": [token ids]} for the tokens that came in

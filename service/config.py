@@ -57,6 +57,16 @@ class ServiceConfig(BaseModel):
         description="modules every replica imports at start, for policies they register (register_policy); "
         "comma-separated in KVSNAP_POLICY_MODULES",
     )
+    session_headers: list[str] = Field(
+        default_factory=lambda: ["x-session-id", "x-session-affinity"],
+        description="request headers that name a session on the OpenAI routes, the first present wins "
+        "(comma-separated in KVSNAP_SESSION_HEADERS; load tools send x-session-affinity)",
+    )
+    implicit_sessions: bool = Field(
+        True,
+        description="a chat request without a session header resumes the tenant's session whose "
+        "conversation it extends (matched by content); false: every such request opens a session",
+    )
     kv_quant: str = Field(
         "none",
         pattern="^(none|kivi2|kivi4)$",
@@ -105,7 +115,7 @@ class ServiceConfig(BaseModel):
     def _absolute_dir(cls, value: str) -> str:
         return os.path.abspath(os.path.expanduser(value))
 
-    @field_validator("admin_keys", "policy_modules", mode="before")
+    @field_validator("admin_keys", "policy_modules", "session_headers", mode="before")
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
         return [k.strip() for k in value.split(",") if k.strip()] if isinstance(value, str) else value

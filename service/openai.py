@@ -34,15 +34,76 @@ async def models(request: Request):
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvsnap"}]}
 
 
-@router.post("/v1/chat/completions", summary="OpenAI-compatible; x-session-id keeps the conversation's KV")
+@router.post(
+    "/v1/chat/completions",
+    summary="OpenAI-compatible; resumes the session whose conversation the messages extend (or x-session-id's)",
+)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    api, tenant, sid, stored, settings = await _openai_request(body, request)
+    if body.n not in (None, 1):
+        raise InvalidArgument("only n=1 is supported")
+    api, tenant = api_of(request), request.state.tenant
     messages = [m.model_dump() for m in body.messages]
     sampling = body.model_dump(
         include={"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
     )
-    events = chat(api, tenant, sid, messages, sampling, settings, "http", stored, streaming=body.stream)
-    return await _openai(events, request, sid, chat=True, stream=body.stream)
+    settings = body.kvsnap.model_dump(exclude={"session"}) if body.kvsnap else None
+    sid = session_header(request, api)
+    if sid is not None:  # the client names its session
+        stored = await stored_messages(api, tenant, sid)
+        events = chat(api, tenant, sid, messages, sampling, settings, "http", stored, streaming=body.stream)
+        return await _openai(events, request, {"sid": sid}, chat=True, stream=body.stream)
+    fresh = {"sid": uuid.uuid4().hex}  # a session of its own, which later requests can resume
+
+    def open_fresh():
+        return chat(api, tenant, fresh["sid"], messages, sampling, settings, "http", None, streaming=body.stream)
+
+    implicit = api.cfg.implicit_sessions and (body.kvsnap is None or body.kvsnap.session != "none")
+    matched = await _match(api, tenant, messages) if implicit else None
+    if matched is None:
+        return await _openai(open_fresh(), request, fresh, chat=True, stream=body.stream)
+    msid, stored, version = matched
+    used = {"sid": msid}
+    resumed = chat(api, tenant, msid, messages, sampling, settings, "http", stored, body.stream, version)
+    events = _resume_or_open(resumed, open_fresh, used, fresh["sid"])
+    return await _openai(events, request, used, chat=True, stream=body.stream)
+
+
+def session_header(request: Request, api: SessionAPI) -> str | None:
+    """The session a request names: the first of the configured session headers it carries."""
+    return next((request.headers[h] for h in api.cfg.session_headers if h in request.headers), None)
+
+
+async def _match(api: SessionAPI, tenant: str, messages: list[dict]):
+    """(session id, its messages, its version) of this tenant's session whose conversation
+    ``messages`` extend, by content (implicit sessions); None when there is none."""
+    sid = await asyncio.to_thread(api.directory.match_conversation, tenant, messages[:-1])
+    if sid is None:
+        return None
+    entry = await asyncio.to_thread(api.directory.get, tenant, sid)
+    if entry is None:  # deleted or expired since
+        return None
+    stored = await asyncio.to_thread(api.directory.messages, tenant, sid)
+    if len(messages) <= len(stored) or messages[: len(stored)] != stored:
+        return None
+    return sid, stored, entry.version
+
+
+async def _resume_or_open(resumed, open_fresh, used: dict, fresh_sid: str):
+    """The events of the resumed session's turn; when it is refused before any output (another
+    turn runs on it, or it changed since it was matched), those of a session of its own."""
+    try:
+        try:
+            first = await resumed.__anext__()
+        except Conflict:
+            await resumed.aclose()
+            used["sid"] = fresh_sid
+            resumed = open_fresh()
+            first = await resumed.__anext__()
+        yield first
+        async for event in resumed:
+            yield event
+    finally:
+        await resumed.aclose()
 
 
 @router.post("/v1/completions", summary="OpenAI-compatible; with x-session-id the prompt extends the session's text")
@@ -50,14 +111,15 @@ async def completions(body: CompletionRequest, request: Request):
     api, tenant, sid, stored, settings = await _openai_request(body, request)
     sampling = body.model_dump(include={"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
     events = complete(api, tenant, sid, body.prompt, sampling, settings, "http", stored, streaming=body.stream)
-    return await _openai(events, request, sid, chat=False, stream=body.stream)
+    return await _openai(events, request, {"sid": sid}, chat=False, stream=body.stream)
 
 
 async def _openai_request(body, request: Request):
     """What both OpenAI routes need: the tenant, the session (x-session-id) and its message log."""
     if body.n not in (None, 1):
         raise InvalidArgument("only n=1 is supported")
-    api, tenant, sid = api_of(request), request.state.tenant, request.headers.get("x-session-id")
+    api, tenant = api_of(request), request.state.tenant
+    sid = session_header(request, api)
     settings = body.kvsnap.model_dump() if body.kvsnap else None
     return api, tenant, sid, await stored_messages(api, tenant, sid), settings
 
@@ -72,6 +134,7 @@ def chat(
     protocol: str,
     stored: list[dict] | None,
     streaming: bool = True,
+    expected_version: int = 0,
 ) -> AsyncIterator[dict]:
     params = api.sampling(sampling, template=True)
     if messages[-1]["role"] != "user":
@@ -89,7 +152,7 @@ def chat(
             "earlier messages unchanged, then the new ones"
         )
     new = messages[len(stored) :]
-    req = api.next_turn(tenant, session_id, api.tokens(new, first=False), params, new, "assistant")
+    req = api.next_turn(tenant, session_id, api.tokens(new, first=False), params, new, "assistant", expected_version)
     return api.stream(req, protocol, streaming)
 
 
@@ -151,11 +214,12 @@ async def stored_messages(api: SessionAPI, tenant: str, session_id: str | None) 
     return await asyncio.to_thread(api.directory.messages, tenant, sid)
 
 
-async def _openai(events, request: Request, sid: str | None, chat: bool, stream: bool):
+async def _openai(events, request: Request, session: dict, chat: bool, stream: bool):
+    """``session["sid"]``: the session the answer comes from, known once the first event is in
+    (an implicit session may give way to a new one); sent back in the ``x-session-id`` header."""
     ingress = current(request.app)
     created, rid = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     kind = "chat.completion" if chat else "text_completion"
-    headers = {"x-session-id": sid} if sid else {}
 
     def usage(o: TurnOutcome) -> dict:
         return {
@@ -212,5 +276,6 @@ async def _openai(events, request: Request, sid: str | None, chat: bool, stream:
         return chunk
 
     response = await sse(events, shape, request, done_marker=True)
-    response.headers.update(headers)
+    if session.get("sid"):
+        response.headers["x-session-id"] = session["sid"]
     return response

@@ -114,6 +114,17 @@ class ChatMessage(BaseModel):
     content: str
 
 
+class ChatSettings(Settings):
+    """The ``kvsnap`` object of a chat request: session settings (for a new session), and whether
+    a request without a session header may resume a session whose conversation it extends."""
+
+    session: Literal["auto", "none"] | None = Field(
+        None,
+        description="auto (default): resume the session whose conversation this request extends, matched "
+        "by content within your tenant; none: always a new session",
+    )
+
+
 class ChatCompletionRequest(SamplingFields):
     model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we ignore (n=1, user, ...)
 
@@ -122,7 +133,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     stream: bool = False
     n: int | None = Field(None, description="only 1 is supported")
-    kvsnap: Settings | None = Field(None, description="session settings (applied when the session is created)")
+    kvsnap: ChatSettings | None = Field(None, description="session settings (applied when the session is created)")
 
 
 class CompletionRequest(SamplingFields):

@@ -18,6 +18,7 @@ about two seconds, never hangs.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sys
@@ -109,6 +110,20 @@ def _pack_messages(messages: list[dict] | None) -> str:
 
 def _pack_marks(marks: list[TurnMark] | None) -> str:
     return json.dumps([m.to_list() for m in marks]) if marks else ""
+
+
+CONVERSATION_ROLES = {"system", "document", "user", "assistant"}
+
+
+def conversation_digests(tenant: str, messages: list[dict]) -> list[str]:
+    """A hash chain over a conversation, seeded with the tenant: digest ``i`` stands for
+    ``messages[: i + 1]``. What a request without a session id is matched by (implicit sessions)."""
+    chain = hashlib.blake2b(check_id("tenant", tenant).encode(), digest_size=16)
+    digests = []
+    for message in messages:
+        chain.update(json.dumps([message.get("role"), message.get("content")], ensure_ascii=False).encode() + b"\0")
+        digests.append(chain.copy().hexdigest())
+    return digests
 
 
 def check_id(kind: str, value: str) -> str:
@@ -332,6 +347,32 @@ class SessionDirectory:
         values = self._call(self.client.mget, keys) if keys else []
         prefix = len(f"{self.prefix}:load:")
         return {k.decode()[prefix:]: json.loads(v) for k, v in zip(keys, values, strict=True) if v}
+
+    # -- implicit sessions: conversations by content ----------------------------------------
+    def conversation_key(self, tenant: str, digest: str) -> str:
+        return f"{self.prefix}:h:{check_id('tenant', tenant)}:{digest}"
+
+    def register_conversation(self, tenant: str, session_id: str, messages: list[dict]) -> None:
+        """Record that ``session_id`` holds exactly ``messages`` (a chat session's log, ending with
+        its answer), so that a request repeating them and adding more resumes it. Expires with
+        the session's TTL; an older state's record stays until then (it no longer matches the
+        session's log, and the edge checks the log)."""
+        if not messages or messages[-1].get("role") != "assistant":
+            return
+        if any(m.get("role") not in CONVERSATION_ROLES for m in messages):
+            return
+        key = self.conversation_key(tenant, conversation_digests(tenant, messages)[-1])
+        self._call(self.client.set, key, session_id, ex=self.session_ttl_s)
+
+    def match_conversation(self, tenant: str, messages: list[dict]) -> str | None:
+        """The session of this tenant whose log is the longest prefix of ``messages`` that ends
+        with an answer; None when there is none."""
+        digests = conversation_digests(tenant, messages)
+        ends = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        if not ends:
+            return None
+        found = self._call(self.client.mget, [self.conversation_key(tenant, digests[i]) for i in ends])
+        return next((sid.decode() for sid in reversed(found) if sid), None)
 
     def worker_known(self, worker_id: str) -> bool:
         """True while ``worker_id`` has a live heartbeat (any incarnation)."""

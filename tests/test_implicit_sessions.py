@@ -1,0 +1,138 @@
+"""Implicit sessions: a chat request without a session header that repeats a conversation and
+adds to it resumes the session holding that conversation (matched by content, within the
+tenant), so that only the new messages are prefilled. Real service, real openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import openai
+import pytest
+import requests
+
+from kvsnap.actors.turns import TurnRequest
+from kvsnap.engine import SamplingParams
+from kvsnap.errors import Conflict
+from kvsnap.policies import make_policy
+from kvsnap.service.openai import _resume_or_open
+from kvsnap.service.template import encode_messages
+from kvsnap.store.directory import SessionDirectory, conversation_digests
+
+from .conftest import random_tokens
+from .test_service import DOC, FULL, QUESTIONS
+
+
+def ask(service, messages, key="key-alpha", **kvsnap) -> dict:
+    r = requests.post(
+        f"{service.http}/v1/chat/completions",
+        headers=service.headers(key),
+        json={"model": "tiny-llama", "messages": messages, "max_tokens": 6, "kvsnap": FULL | kvsnap},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert r.headers["x-session-id"] == body["kvsnap"]["session_id"]  # the session used, to pin if wanted
+    return body
+
+
+def test_the_openai_client_without_a_session_header_resumes_its_conversation(service, llama_engine):
+    client = openai.OpenAI(base_url=f"{service.http}/v1", api_key="key-alpha")
+    doc = f"{DOC} Conversation {uuid.uuid4().hex}."
+    messages = [{"role": "system", "content": doc}]
+    sessions, prefilled = [], []
+    for i, q in enumerate(QUESTIONS):
+        messages.append({"role": "user", "content": q})
+        response = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=6)
+        extra = response.model_extra["kvsnap"]
+        sessions.append(extra["session_id"])
+        prefilled.append(response.usage.prompt_tokens)
+        assert extra["source"] == ("new" if i == 0 else "device")
+        messages.append({"role": "assistant", "content": response.choices[0].message.content})
+    assert len(set(sessions)) == 1  # one session all along
+    tok = llama_engine.tokenizer
+    for i, q in enumerate(QUESTIONS[1:], start=1):  # only the new message (and the last answer's pending token)
+        assert prefilled[i] == len(encode_messages(tok, [{"role": "user", "content": q}], False)) + 1
+    state = SessionDirectory(service.redis_url).get("alpha", sessions[0])
+    assert state.turns == len(QUESTIONS)
+
+
+def test_another_tenant_sending_the_same_conversation_gets_a_session_of_its_own(service):
+    doc = f"{DOC} Tenant test {uuid.uuid4().hex}."
+    first = [{"role": "system", "content": doc}, {"role": "user", "content": QUESTIONS[0]}]
+    a1 = ask(service, first)
+    follow = [*first, {"role": "assistant", "content": a1["choices"][0]["message"]["content"]}]
+    follow.append({"role": "user", "content": QUESTIONS[1]})
+    theirs = ask(service, follow, key="key-beta")
+    directory = SessionDirectory(service.redis_url)
+    assert theirs["kvsnap"]["session_id"] != a1["kvsnap"]["session_id"] and theirs["kvsnap"]["source"] == "new"
+    assert directory.get("beta", theirs["kvsnap"]["session_id"]) is not None
+    assert directory.get("alpha", a1["kvsnap"]["session_id"]).turns == 1  # alpha's session untouched
+    assert conversation_digests("alpha", follow) != conversation_digests("beta", follow)  # never the same keys
+    ours = ask(service, follow)
+    assert ours["kvsnap"]["session_id"] == a1["kvsnap"]["session_id"] and ours["kvsnap"]["source"] == "device"
+
+
+def test_session_none_and_a_changed_history_open_a_new_session(service):
+    doc = f"{DOC} Opt-out test {uuid.uuid4().hex}."
+    first = [{"role": "system", "content": doc}, {"role": "user", "content": QUESTIONS[0]}]
+    a1 = ask(service, first)
+    follow = [*first, {"role": "assistant", "content": a1["choices"][0]["message"]["content"]}]
+    follow.append({"role": "user", "content": QUESTIONS[1]})
+    assert ask(service, follow, session="none")["kvsnap"]["source"] == "new"
+    edited = [*first, {"role": "assistant", "content": "something else"}, {"role": "user", "content": QUESTIONS[1]}]
+    assert ask(service, edited)["kvsnap"]["source"] == "new"  # no session holds that history: a new one
+    bad = requests.post(
+        f"{service.http}/v1/chat/completions",
+        headers=service.headers(),
+        json={"model": "tiny-llama", "messages": follow, "kvsnap": {"session": "sometimes"}},
+    )
+    assert bad.status_code == 400
+
+
+def test_a_turn_built_on_an_older_version_is_refused(llama_engine, directory_factory):
+    from kvsnap.actors.worker import Worker
+    from kvsnap.store.tiers import build_store
+
+    worker = Worker(llama_engine, directory_factory(), build_store(10**8, 10**8), "w1")
+    worker.open("acme", "v", random_tokens(30, seed=1), make_policy("full"), sampling=SamplingParams(max_new_tokens=2))
+    version = worker.directory.get("acme", "v").version
+    worker.turn("acme", "v", [5, 6], SamplingParams(max_new_tokens=2))  # someone else's turn came first
+    with pytest.raises(Conflict, match="changed since"):
+        worker.stream(TurnRequest("acme", "v", [7], SamplingParams(max_new_tokens=2), expected_version=version))
+
+
+def test_a_refused_resumption_gives_way_to_a_new_session():
+    async def refused():
+        raise Conflict("another turn on this session is in progress")
+        yield  # an async generator
+
+    async def fresh():
+        yield {"text": "hi"}
+        yield {"done": True}
+
+    used = {"sid": "matched"}
+
+    async def run():
+        return [e async for e in _resume_or_open(refused(), fresh, used, "new-one")]
+
+    assert asyncio.run(run()) == [{"text": "hi"}, {"done": True}] and used["sid"] == "new-one"
+
+
+def test_the_session_header_names_are_configuration(service):
+    assert service.cfg.session_headers == ["x-session-id", "x-session-affinity"]  # the defaults
+    sid = f"affinity-{uuid.uuid4().hex[:8]}"
+    first = [{"role": "system", "content": DOC}, {"role": "user", "content": QUESTIONS[0]}]
+
+    def post(messages):
+        r = requests.post(
+            f"{service.http}/v1/chat/completions",
+            headers=service.headers() | {"X-Session-Affinity": sid},  # as load tools send it
+            json={"model": "tiny-llama", "messages": messages, "max_tokens": 4, "kvsnap": FULL},
+        )
+        assert r.status_code == 200 and r.headers["x-session-id"] == sid, r.text
+        return r.json()
+
+    a1 = post(first)
+    again = post([*first, {"role": "assistant", "content": a1["choices"][0]["message"]["content"]}, first[1]])
+    assert a1["kvsnap"]["session_id"] == again["kvsnap"]["session_id"] == sid
+    assert again["kvsnap"]["source"] == "device"
