@@ -44,6 +44,9 @@ class TurnRequest:
     answer_role: str | None = None  # log the answer under this role (None: not logged)
     turn_id: str = ""  # the caller's id for the turn, stored with its commit (the entry's last_turn)
     expected_version: int = 0  # > 0: the session's version the caller built the turn on (else Conflict)
+    # the template's turn marker, when ``tokens`` start with it: skipped if the session's
+    # transcript ends with it already (the last answer stopped on it)
+    marker: list[int] = field(default_factory=list)
 
     @property
     def key(self) -> str:

@@ -74,7 +74,7 @@ class Worker:
                     )
                 with self._model:  # a rebuild runs the model
                     session, source = self.sessions.load(req.key, entry)
-            stream = self.engine.stream(session, req.tokens, req.sampling)
+            stream = self.engine.stream(session, _unmarked(req, session), req.sampling)
         out = TurnStream(finish_reason=stream.finish_reason, source=source, on_close=claim.release, detok=stream.detok)
         out.tokens = self._run(claim, req, entry, session, stream, out)
         return out
@@ -203,6 +203,15 @@ class Worker:
 
     def stats(self) -> dict:
         return {"worker": self.worker_id, "epoch": self.epoch, "draining": self.draining, **self.sessions.stats()}
+
+
+def _unmarked(req: TurnRequest, session: Session) -> list[int]:
+    """``req.tokens`` without their leading turn marker when the session holds it already (its
+    last answer stopped on the template's marker): the session's tokens stay its messages'."""
+    n = len(req.marker)
+    if n and req.tokens[:n] == req.marker and session.transcript[-n:] == req.marker and len(req.tokens) > n:
+        return req.tokens[n:]
+    return req.tokens
 
 
 __all__ = ["Worker"]

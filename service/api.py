@@ -35,7 +35,7 @@ from kvsnap.store.directory import SessionDirectory, check_id
 
 from .config import ServiceConfig
 from .metrics import Metrics
-from .template import TURN_MARKER, encode_messages
+from .template import TURN_MARKER, encode_messages, marker_ids
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class SessionAPI:
         self.cfg = cfg
         self.workers = workers
         self.tokenizer = tokenizer
+        self.marker = marker_ids(tokenizer) if tokenizer is not None else []
         self.directory = directory
         self.metrics = metrics
 
@@ -160,7 +161,8 @@ class SessionAPI:
         role, answer = ("prompt", "completion") if raw else ("user", "assistant")
         new = [{"role": role, "content": message}]
         tokens = self.raw_tokens(message, first=False) if raw else self.tokens(new, first=False)
-        return self.stream(self.next_turn(tenant, sid, tokens, params, new, answer), protocol, streaming)
+        req = self.next_turn(tenant, sid, tokens, params, new, answer, templated=not raw)
+        return self.stream(req, protocol, streaming)
 
     async def get(self, tenant: str, session_id: str) -> dict:
         entry = await asyncio.to_thread(self.directory.get, tenant, check_id("session id", session_id))
@@ -198,11 +200,15 @@ class SessionAPI:
         req = TurnRequest(tenant, self.session_id(session_id), tokens, sampling, spec, log, answer_role)
         return self.stream(req, protocol, streaming)
 
-    @staticmethod
-    def next_turn(tenant, session_id, tokens, sampling, log, answer_role, expected_version=0) -> TurnRequest:
-        """A turn on an existing session, with an id of its own (see the retry rule in stream)."""
+    def next_turn(
+        self, tenant, session_id, tokens, sampling, log, answer_role, expected_version=0, templated=True
+    ) -> TurnRequest:
+        """A turn on an existing session, with an id of its own (see the retry rule in stream);
+        ``templated``: its tokens come from the template (a marker the session holds is skipped)."""
+        marker = self.marker if templated else []
+        turn_id = uuid.uuid4().hex
         return TurnRequest(
-            tenant, session_id, tokens, sampling, None, log, answer_role, uuid.uuid4().hex, expected_version
+            tenant, session_id, tokens, sampling, None, log, answer_role, turn_id, expected_version, marker
         )
 
     async def stream(self, req: TurnRequest, protocol: str, streaming: bool = True):

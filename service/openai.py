@@ -199,6 +199,7 @@ def complete(
         params,
         [{"role": "prompt", "content": new}],
         "completion",
+        templated=False,
     )
     return api.stream(req, protocol, streaming)
 

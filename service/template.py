@@ -7,7 +7,11 @@
 
 Each message is tokenized on its own and the pieces concatenated, so a session's tokens
 for messages 1..n are exactly a prefix of its tokens for messages 1..n+k: appending a
-turn never re-tokenizes what the session already holds.
+turn never re-tokenizes what the session already holds. A user message is tokenized as two
+pieces, its turn marker and the rest: when the answer before it stopped on the marker (the
+default stop string of templated turns), the session holds the marker already and the
+worker skips it (``TurnRequest.marker``), so the session's tokens are still those of its
+messages.
 """
 
 from __future__ import annotations
@@ -37,5 +41,14 @@ def encode_messages(tokenizer, messages: list[dict], first: bool) -> list[int]:
     """Token ids of ``messages``; ``first`` adds the tokenizer's BOS (a session's first turn)."""
     ids: list[int] = []
     for i, message in enumerate(messages):
-        ids += tokenizer.encode(segment(message), add_special_tokens=first and i == 0)
+        text, bos = segment(message), first and i == 0
+        if message["role"] == "user":  # the marker, then the rest (see the module docstring)
+            ids += tokenizer.encode(TURN_MARKER, add_special_tokens=bos)
+            text, bos = text[len(TURN_MARKER) :], False
+        ids += tokenizer.encode(text, add_special_tokens=bos)
     return ids
+
+
+def marker_ids(tokenizer) -> list[int]:
+    """The turn marker's tokens, as a templated user message starts with them."""
+    return list(tokenizer.encode(TURN_MARKER, add_special_tokens=False))

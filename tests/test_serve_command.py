@@ -18,6 +18,8 @@ import psutil
 import pytest
 import requests
 
+from kvsnap.engine.models import tokenizer_for
+
 pytestmark = pytest.mark.slow
 
 KVSNAP = Path(sys.executable).with_name("kvsnap")  # the console script `make run` runs
@@ -87,6 +89,17 @@ def test_kvsnap_serve_from_a_fresh_directory_answers_and_stops_cleanly(tmp_path)
         assert body["completion_tokens"] >= 1 and body["source"] == "device" and body["state"]["turns"] == 2
         # a base model's answer ends at the template's next turn marker instead of writing the next question
         assert body["finish_reason"] == "stop" and "User:" not in body["text"], body
+        # the session holds that marker already: the next question's is not prefilled a second time
+        again = requests.post(
+            "http://127.0.0.1:8000/v1/sessions/readme/turns",
+            json={"message": "And the red door?", "max_tokens": 8},
+            headers=headers,
+            timeout=120,
+        )
+        assert again.status_code == 200, again.text
+        tok = tokenizer_for("gemma3-270m")
+        rest = tok.encode(" And the red door?\nAssistant:", add_special_tokens=False)
+        assert again.json()["prompt_tokens"] == 1 + len(rest), again.json()  # the pending token, then the rest
         # the data directory is the default one, inside the working directory, with Redis's files in it
         assert (workdir / ".kvsnap" / "redis" / "redis.log").exists()
         assert list((workdir / ".kvsnap" / "redis").glob("appendonly*"))
