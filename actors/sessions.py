@@ -248,8 +248,11 @@ class SessionStore:
                 return
             self.held[key] = self._held(updated, session, all_messages)
             self._record_moves()
-        with contextlib.suppress(Unavailable):  # a chat can be resumed by its content (implicit sessions)
-            self.directory.register_conversation(entry.tenant, entry.session_id, all_messages)
+        if entry.conversation:  # an implicit session: resumable by its content (a hint; never fails a turn)
+            try:
+                self.directory.register_conversation(entry.tenant, entry.conversation, entry.session_id, all_messages)
+            except Exception as exc:  # noqa: BLE001 - the turn is committed already
+                log.warning("conversation of %s not recorded: %s", key, exc)
 
     def _messages_before(self, entry: SessionEntry, held: Held | None) -> list[dict]:
         """The session's message log before this turn: this worker's copy when it holds the

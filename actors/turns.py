@@ -47,6 +47,8 @@ class TurnRequest:
     # the template's turn marker, when ``tokens`` start with it: skipped if the session's
     # transcript ends with it already (the last answer stopped on it)
     marker: list[int] = field(default_factory=list)
+    # a new session's scope for implicit sessions ("" = none: never matched by content)
+    conversation: str = ""
 
     @property
     def key(self) -> str:

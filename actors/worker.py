@@ -74,7 +74,7 @@ class Worker:
                     )
                 with self._model:  # a rebuild runs the model
                     session, source = self.sessions.load(req.key, entry)
-            stream = self.engine.stream(session, _unmarked(req, session), req.sampling)
+            stream = self.engine.stream(session, self._unmarked(req, session), req.sampling)
         out = TurnStream(finish_reason=stream.finish_reason, source=source, on_close=claim.release, detok=stream.detok)
         out.tokens = self._run(claim, req, entry, session, stream, out)
         return out
@@ -108,6 +108,17 @@ class Worker:
         self.engine.check(session, req.tokens, req.sampling)  # a bad request writes nothing
         return session
 
+    def _unmarked(self, req: TurnRequest, session: Session) -> list[int]:
+        """``req.tokens`` without their leading turn marker when the session holds it already: its
+        last answer stopped on that marker (as a stop string) and ends with its very tokens."""
+        n, marker = len(req.marker), req.marker
+        if not n or len(req.tokens) <= n or req.tokens[:n] != marker or session.transcript[-n:] != marker:
+            return req.tokens
+        last = session.marks[-1] if session.marks else None
+        if last is None or last.stopped_on != self.engine.decode(marker):
+            return req.tokens
+        return req.tokens[n:]
+
     def _open(self, req: TurnRequest, session: Session) -> SessionEntry:
         entry = SessionEntry(
             req.tenant,
@@ -116,6 +127,7 @@ class Worker:
             policy_fingerprint=session.policy.fingerprint(),
             model=self.engine.loaded.fingerprint,
             recompress=session.recompress,
+            conversation=req.conversation,
         )
         self.sessions.create(entry)
         return entry
@@ -203,15 +215,6 @@ class Worker:
 
     def stats(self) -> dict:
         return {"worker": self.worker_id, "epoch": self.epoch, "draining": self.draining, **self.sessions.stats()}
-
-
-def _unmarked(req: TurnRequest, session: Session) -> list[int]:
-    """``req.tokens`` without their leading turn marker when the session holds it already (its
-    last answer stopped on the template's marker): the session's tokens stay its messages'."""
-    n = len(req.marker)
-    if n and req.tokens[:n] == req.marker and session.transcript[-n:] == req.marker and len(req.tokens) > n:
-        return req.tokens[n:]
-    return req.tokens
 
 
 __all__ = ["Worker"]

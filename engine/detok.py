@@ -23,6 +23,7 @@ class Detokenizer:
         self.ids: list[int] = []
         self.text = ""  # the answer's text so far; once a stop string appears, the text before it
         self.stopped = False  # a stop string appeared
+        self.matched = ""  # which one
         self._window = 0  # ids[_window:_done] decode to the end of ``text``: the context of new tokens
         self._done = 0
         self._emitted = 0  # characters of ``text`` handed out by take()
@@ -63,9 +64,9 @@ class Detokenizer:
     def _append(self, new: str) -> None:
         start = max(0, len(self.text) - self._hold)  # a stop string may straddle old and new text
         self.text += new
-        cuts = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        cuts = sorted((i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0)
         if cuts:
-            self.text, self.stopped = self.text[: min(cuts)], True
+            self.text, self.stopped, self.matched = self.text[: cuts[0][0]], True, cuts[0][1]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""

@@ -145,6 +145,7 @@ class Engine:
                 out.detok.finish()
             session.turns += 1
             mark.generated, mark.logical_len = generated, session.logical_len
+            mark.stopped_on = out.detok.matched if out.detok is not None else ""
             session.marks.append(mark)
             out.report = TurnReport(
                 prompt_tokens=prompt_tokens,

@@ -45,14 +45,15 @@ class TurnMark:
     generated: int  # tokens it generated, right after its prompt in the log
     logical_len: int  # tokens in the KV when the turn ended
     reselected: bool = True  # a Reselect policy's turn: selected from a full copy (False: it had none)
+    stopped_on: str = ""  # the stop string the answer ended on ("" when none did)
 
-    def to_list(self) -> list[int]:
-        return [self.prompt, self.generated, self.logical_len, int(self.reselected)]
+    def to_list(self) -> list:
+        return [self.prompt, self.generated, self.logical_len, int(self.reselected), self.stopped_on]
 
     @classmethod
-    def from_list(cls, values: list[int]) -> TurnMark:
-        prompt, generated, logical_len, reselected = (int(v) for v in values)
-        return cls(prompt, generated, logical_len, bool(reselected))
+    def from_list(cls, values: list) -> TurnMark:
+        prompt, generated, logical_len, reselected = (int(v) for v in values[:4])
+        return cls(prompt, generated, logical_len, bool(reselected), str(values[4]) if len(values) > 4 else "")
 
 
 def marks_cover(marks: list[TurnMark], transcript_len: int) -> bool:

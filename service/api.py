@@ -193,11 +193,15 @@ class SessionAPI:
         log: list[dict],
         answer_role: str | None,
         streaming: bool,
+        conversation: str = "",
     ):
         """A new session from its first tokens: settings resolved and checked before any model work
-        (the worker's engine checks the window against the prompt, before it writes anything)."""
+        (the worker's engine checks the window against the prompt, before it writes anything).
+        ``conversation``: an implicit session's scope (resumable by its content)."""
         spec = self.settings(settings, len(tokens))
-        req = TurnRequest(tenant, self.session_id(session_id), tokens, sampling, spec, log, answer_role)
+        req = TurnRequest(
+            tenant, self.session_id(session_id), tokens, sampling, spec, log, answer_role, conversation=conversation
+        )
         return self.stream(req, protocol, streaming)
 
     def next_turn(

@@ -1,14 +1,17 @@
 """OpenAI-compatible routes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``).
 
-With ``x-session-id`` a request continues the session of that id: it must repeat the
-session's earlier messages unchanged (chat) or start with its earlier prompts and
-completions (completions), and only what it adds is prefilled. Without one, each request
-is a session of its own.
+With a session header (``x-session-id``, configurable) a request continues the session of
+that id: it must repeat the session's earlier messages unchanged (chat) or start with its
+earlier prompts and completions (completions), and only what it adds is prefilled. Without
+one, a chat request resumes the implicit session of its tenant (and OpenAI ``user``) whose
+conversation it extends, matched by content; a completion, or a chat matching none, opens a
+session of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,7 +19,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from kvsnap.errors import Conflict, InvalidArgument
+from kvsnap.errors import Conflict, InvalidArgument, NotFound
 from kvsnap.store.directory import check_id
 
 from .api import SessionAPI, TurnOutcome, state_view
@@ -49,16 +52,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     settings = body.kvsnap.model_dump(exclude={"session"}) if body.kvsnap else None
     sid = session_header(request, api)
     if sid is not None:  # the client names its session
-        stored = await stored_messages(api, tenant, sid)
-        events = chat(api, tenant, sid, messages, sampling, settings, "http", stored, streaming=body.stream)
+        stored, version = await stored_messages(api, tenant, sid)
+        events = chat(api, tenant, sid, messages, sampling, settings, "http", stored, body.stream, version)
         return await _openai(events, request, {"sid": sid}, chat=True, stream=body.stream)
+    implicit = api.cfg.implicit_sessions and (body.kvsnap is None or body.kvsnap.session != "none")
+    user = (body.model_extra or {}).get("user")
+    scope = f"u:{user}" if isinstance(user, str) and user else "-"  # the OpenAI `user`: its own conversations
     fresh = {"sid": uuid.uuid4().hex}  # a session of its own, which later requests can resume
 
     def open_fresh():
-        return chat(api, tenant, fresh["sid"], messages, sampling, settings, "http", None, streaming=body.stream)
+        conversation = scope if implicit else ""
+        return chat(api, tenant, fresh["sid"], messages, sampling, settings, "http", None, body.stream, 0, conversation)
 
-    implicit = api.cfg.implicit_sessions and (body.kvsnap is None or body.kvsnap.session != "none")
-    matched = await _match(api, tenant, messages) if implicit else None
+    matched = await _match(api, tenant, scope, messages, settings) if implicit else None
     if matched is None:
         return await _openai(open_fresh(), request, fresh, chat=True, stream=body.stream)
     msid, stored, version = matched
@@ -70,22 +76,41 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 def session_header(request: Request, api: SessionAPI) -> str | None:
     """The session a request names: the first of the configured session headers it carries."""
-    return next((request.headers[h] for h in api.cfg.session_headers if h in request.headers), None)
+    return next((request.headers[h] for h in api.cfg.session_headers if request.headers.get(h)), None)
 
 
-async def _match(api: SessionAPI, tenant: str, messages: list[dict]):
-    """(session id, its messages, its version) of this tenant's session whose conversation
-    ``messages`` extend, by content (implicit sessions); None when there is none."""
-    sid = await asyncio.to_thread(api.directory.match_conversation, tenant, messages[:-1])
+async def _match(api: SessionAPI, tenant: str, scope: str, messages: list[dict], settings: dict | None):
+    """(session id, its messages, its version) of this tenant's implicit session whose
+    conversation ``messages`` extend with a user message, by content; None when there is none,
+    or when the request's settings are not the session's (they apply when a session opens)."""
+    sid = await asyncio.to_thread(api.directory.match_conversation, tenant, scope, messages[:-1])
     if sid is None:
         return None
     entry = await asyncio.to_thread(api.directory.get, tenant, sid)
-    if entry is None:  # deleted or expired since
+    if entry is None or entry.conversation != scope or not _same_settings(settings, entry):
         return None
     stored = await asyncio.to_thread(api.directory.messages, tenant, sid)
-    if len(messages) <= len(stored) or messages[: len(stored)] != stored:
+    if len(messages) <= len(stored) or messages[: len(stored)] != stored or messages[len(stored)]["role"] != "user":
         return None
     return sid, stored, entry.version
+
+
+def _same_settings(settings: dict | None, entry) -> bool:
+    """Whether every setting a request names is the session's (policy, recompress, parameters)."""
+    spec, recompress = json.loads(entry.policy), entry.recompress
+    if spec["name"] == "reselect":
+        spec, recompress = spec["params"]["inner"], "reselect"
+    params = spec["params"]
+    for key, value in (settings or {}).items():
+        if value is None:
+            continue
+        if key == "decode":
+            have = params.get("decode") or {}
+            if any(have.get(k) != v for k, v in value.items() if v is not None):
+                return False
+        elif {"policy": spec["name"], "recompress": recompress}.get(key, params.get(key)) != value:
+            return False
+    return True
 
 
 async def _resume_or_open(resumed, open_fresh, used: dict, fresh_sid: str):
@@ -94,7 +119,7 @@ async def _resume_or_open(resumed, open_fresh, used: dict, fresh_sid: str):
     try:
         try:
             first = await resumed.__anext__()
-        except Conflict:
+        except (Conflict, NotFound):  # busy, changed, or gone since it was matched
             await resumed.aclose()
             used["sid"] = fresh_sid
             resumed = open_fresh()
@@ -121,7 +146,8 @@ async def _openai_request(body, request: Request):
     api, tenant = api_of(request), request.state.tenant
     sid = session_header(request, api)
     settings = body.kvsnap.model_dump() if body.kvsnap else None
-    return api, tenant, sid, await stored_messages(api, tenant, sid), settings
+    stored, _ = await stored_messages(api, tenant, sid)
+    return api, tenant, sid, stored, settings
 
 
 def chat(
@@ -135,6 +161,7 @@ def chat(
     stored: list[dict] | None,
     streaming: bool = True,
     expected_version: int = 0,
+    conversation: str = "",
 ) -> AsyncIterator[dict]:
     params = api.sampling(sampling, template=True)
     if messages[-1]["role"] != "user":
@@ -142,7 +169,7 @@ def chat(
     if stored is None:  # a new session under this id
         tokens = api.tokens(messages, first=True)
         return api.open_session(
-            tenant, session_id, protocol, tokens, settings, params, messages, "assistant", streaming
+            tenant, session_id, protocol, tokens, settings, params, messages, "assistant", streaming, conversation
         )
     if any(m["role"] not in CHAT_ROLES for m in stored):
         raise Conflict("this session was built by /v1/completions; continue it there")
@@ -204,15 +231,15 @@ def complete(
     return api.stream(req, protocol, streaming)
 
 
-async def stored_messages(api: SessionAPI, tenant: str, session_id: str | None) -> list[dict] | None:
-    """The session's message log, or None when this tenant has no such session (yet)."""
+async def stored_messages(api: SessionAPI, tenant: str, session_id: str | None) -> tuple[list[dict] | None, int]:
+    """The session's message log and version, or (None, 0) when this tenant has no such session (yet)."""
     if not session_id:
-        return None
+        return None, 0
     sid = check_id("session id", session_id)
     entry = await asyncio.to_thread(api.directory.get, tenant, sid)
     if entry is None:
-        return None
-    return await asyncio.to_thread(api.directory.messages, tenant, sid)
+        return None, 0
+    return await asyncio.to_thread(api.directory.messages, tenant, sid), entry.version
 
 
 async def _openai(events, request: Request, session: dict, chat: bool, stream: bool):

@@ -56,6 +56,7 @@ class SessionEntry:
     version: int = 0
     log_len: int = 0  # tokens in the token log
     last_turn: str = ""  # the caller's id of the last committed turn ("" when it gave none)
+    conversation: str = ""  # set: an implicit session, matched by content within this scope
 
     @classmethod
     def from_hash(cls, tenant: str, session_id: str, raw: dict[bytes, bytes]) -> SessionEntry:
@@ -115,10 +116,14 @@ def _pack_marks(marks: list[TurnMark] | None) -> str:
 CONVERSATION_ROLES = {"system", "document", "user", "assistant"}
 
 
-def conversation_digests(tenant: str, messages: list[dict]) -> list[str]:
-    """A hash chain over a conversation, seeded with the tenant: digest ``i`` stands for
-    ``messages[: i + 1]``. What a request without a session id is matched by (implicit sessions)."""
-    chain = hashlib.blake2b(check_id("tenant", tenant).encode(), digest_size=16)
+AMBIGUOUS = b"*"  # a conversation two sessions hold: matched by neither
+
+
+def conversation_digests(tenant: str, scope: str, messages: list[dict]) -> list[str]:
+    """A hash chain over a conversation, seeded with the tenant and a scope (the OpenAI ``user``
+    a request names, else "-"): digest ``i`` stands for ``messages[: i + 1]``. What a request
+    without a session id is matched by (implicit sessions)."""
+    chain = hashlib.blake2b(f"{check_id('tenant', tenant)}\0{scope}".encode(), digest_size=16)
     digests = []
     for message in messages:
         chain.update(json.dumps([message.get("role"), message.get("content")], ensure_ascii=False).encode() + b"\0")
@@ -352,27 +357,31 @@ class SessionDirectory:
     def conversation_key(self, tenant: str, digest: str) -> str:
         return f"{self.prefix}:h:{check_id('tenant', tenant)}:{digest}"
 
-    def register_conversation(self, tenant: str, session_id: str, messages: list[dict]) -> None:
-        """Record that ``session_id`` holds exactly ``messages`` (a chat session's log, ending with
-        its answer), so that a request repeating them and adding more resumes it. Expires with
-        the session's TTL; an older state's record stays until then (it no longer matches the
-        session's log, and the edge checks the log)."""
+    def register_conversation(self, tenant: str, scope: str, session_id: str, messages: list[dict]) -> None:
+        """Record that ``session_id`` holds exactly ``messages`` (an implicit session's log, ending
+        with its answer), so that a request repeating them and adding more resumes it. Expires
+        with the session's TTL; an older state's record stays until then (it no longer matches
+        the session's log, and the edge checks the log). A conversation another session holds
+        too (two users of one key saying the same) becomes ambiguous: matched by neither."""
         if not messages or messages[-1].get("role") != "assistant":
             return
         if any(m.get("role") not in CONVERSATION_ROLES for m in messages):
             return
-        key = self.conversation_key(tenant, conversation_digests(tenant, messages)[-1])
-        self._call(self.client.set, key, session_id, ex=self.session_ttl_s)
+        key = self.conversation_key(tenant, conversation_digests(tenant, scope, messages)[-1])
+        taken = not self._call(self.client.set, key, session_id, ex=self.session_ttl_s, nx=True)
+        if taken and self._call(self.client.get, key) not in (session_id.encode(), None):
+            self._call(self.client.set, key, AMBIGUOUS, ex=self.session_ttl_s)
 
-    def match_conversation(self, tenant: str, messages: list[dict]) -> str | None:
-        """The session of this tenant whose log is the longest prefix of ``messages`` that ends
-        with an answer; None when there is none."""
-        digests = conversation_digests(tenant, messages)
+    def match_conversation(self, tenant: str, scope: str, messages: list[dict]) -> str | None:
+        """The implicit session of this tenant and scope whose log is the longest prefix of
+        ``messages`` that ends with an answer; None when there is none (or it is ambiguous)."""
+        digests = conversation_digests(tenant, scope, messages)
         ends = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
         if not ends:
             return None
         found = self._call(self.client.mget, [self.conversation_key(tenant, digests[i]) for i in ends])
-        return next((sid.decode() for sid in reversed(found) if sid), None)
+        longest = next((sid for sid in reversed(found) if sid), None)
+        return None if longest in (None, AMBIGUOUS) else longest.decode()
 
     def worker_known(self, worker_id: str) -> bool:
         """True while ``worker_id`` has a live heartbeat (any incarnation)."""

@@ -67,7 +67,7 @@ def test_another_tenant_sending_the_same_conversation_gets_a_session_of_its_own(
     assert theirs["kvsnap"]["session_id"] != a1["kvsnap"]["session_id"] and theirs["kvsnap"]["source"] == "new"
     assert directory.get("beta", theirs["kvsnap"]["session_id"]) is not None
     assert directory.get("alpha", a1["kvsnap"]["session_id"]).turns == 1  # alpha's session untouched
-    assert conversation_digests("alpha", follow) != conversation_digests("beta", follow)  # never the same keys
+    assert conversation_digests("alpha", "-", follow) != conversation_digests("beta", "-", follow)  # other keys
     ours = ask(service, follow)
     assert ours["kvsnap"]["session_id"] == a1["kvsnap"]["session_id"] and ours["kvsnap"]["source"] == "device"
 
@@ -136,3 +136,51 @@ def test_the_session_header_names_are_configuration(service):
     again = post([*first, {"role": "assistant", "content": a1["choices"][0]["message"]["content"]}, first[1]])
     assert a1["kvsnap"]["session_id"] == again["kvsnap"]["session_id"] == sid
     assert again["kvsnap"]["source"] == "device"
+
+
+def _conversation(service, key="key-alpha", **body):
+    doc = f"{DOC} {uuid.uuid4().hex}."
+    first = [{"role": "system", "content": doc}, {"role": "user", "content": QUESTIONS[0]}]
+    r = requests.post(
+        f"{service.http}/v1/chat/completions",
+        headers=service.headers(key) | body.pop("headers", {}),
+        json={"model": "tiny-llama", "messages": first, "max_tokens": 4, "kvsnap": FULL} | body,
+    )
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    follow = [*first, {"role": "assistant", "content": answer["choices"][0]["message"]["content"]}]
+    return answer, [*follow, {"role": "user", "content": QUESTIONS[1]}]
+
+
+def test_sessions_named_by_their_clients_are_never_resumed_by_content(service):
+    named = f"named-{uuid.uuid4().hex[:8]}"
+    answer, follow = _conversation(service, headers={"x-session-id": named})
+    assert answer["kvsnap"]["session_id"] == named
+    other = ask(service, follow)  # the same conversation, no header: not the named session
+    assert other["kvsnap"]["session_id"] != named and other["kvsnap"]["source"] == "new"
+
+
+def test_openai_users_of_one_key_keep_their_own_conversations(service):
+    a1, follow = _conversation(service, user="ann")
+    assert ask(service, follow)["kvsnap"]["source"] == "new"  # no user: another scope
+    resumed = requests.post(
+        f"{service.http}/v1/chat/completions",
+        headers=service.headers(),
+        json={"model": "tiny-llama", "messages": follow, "max_tokens": 4, "kvsnap": FULL, "user": "ann"},
+    ).json()
+    assert resumed["kvsnap"]["session_id"] == a1["kvsnap"]["session_id"]
+
+
+def test_a_conversation_two_sessions_hold_resumes_neither(service, llama_engine):
+    directory = SessionDirectory(service.redis_url)
+    messages = [
+        {"role": "system", "content": "x"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+    ]
+    directory.register_conversation("alpha", "-", "one", messages)
+    assert directory.match_conversation("alpha", "-", [*messages, {"role": "user", "content": "q2"}]) == "one"
+    directory.register_conversation("alpha", "-", "one", messages)  # the same session again: still it
+    assert directory.match_conversation("alpha", "-", messages) == "one"
+    directory.register_conversation("alpha", "-", "two", messages)  # another session, the same words
+    assert directory.match_conversation("alpha", "-", messages) is None

@@ -47,26 +47,30 @@ def test_the_message_log_keeps_the_answer_as_returned(llama_engine, directory_fa
     ]
 
 
-def test_a_turn_marker_the_session_holds_already_is_skipped(llama_engine, directory_factory):
-    """When the last answer stopped on the template's turn marker, the session holds it: the next
-    templated turn's leading marker tokens are not prefilled again (here the "marker" is the last
-    generated token, so that the tiny model's answer is known to end with it)."""
+def test_a_turn_marker_the_answer_stopped_on_is_not_prefilled_again(llama_engine, directory_factory):
+    """When the last answer stopped on the template's turn marker (as a stop string), the session
+    holds it: the next templated turn's leading marker is not prefilled again. Here the "marker"
+    is the answer's first character, made its stop string, so that the tiny model stops on it."""
     from kvsnap.actors.turns import TurnRequest
 
     worker = Worker(llama_engine, directory_factory(), build_store(10**8, 10**8), "w1")
-    sampling = SamplingParams(max_new_tokens=5)
-    answer = worker.open("acme", "m", random_tokens(40, seed=4), make_policy("full"), sampling=sampling)
-    marker = answer.tokens[-1:]  # pending in the transcript, as a stopped-on marker is
-    rest = random_tokens(6, seed=5)
+    document, rest = random_tokens(40, seed=4), random_tokens(6, seed=5)
+    free = worker.open("acme", "probe", document, make_policy("full"), sampling=SamplingParams(max_new_tokens=5))
+    marker = free.tokens[:1]
+    stop = llama_engine.decode(marker)
+    assert stop and "\ufffd" not in stop
+    answer = worker.open(
+        "acme", "m", document, make_policy("full"), sampling=SamplingParams(max_new_tokens=5, stop=(stop,))
+    )
+    assert answer.finish_reason == "stop" and answer.tokens == marker  # stopped on it at once: it is pending
+    sampling = SamplingParams(max_new_tokens=3)
     skipped = worker.run(TurnRequest("acme", "m", marker + rest, sampling, marker=marker))
-    assert skipped.report.prompt_tokens == 1 + len(rest)  # the pending token, then the rest: no second marker
-    assert answer.finish_reason == "length"  # so the marker (the last token) is pending, not in the KV
-    end = 40 + len(answer.tokens)
-    assert worker.directory.tokens("acme", "m")[end - 1 : end + len(rest)] == marker + rest  # once
-    # a marker the session does not end with is prefilled as usual
-    other = [t for t in random_tokens(3, seed=6) if t != skipped.tokens[-1]][:1]
-    kept = worker.run(TurnRequest("acme", "m", other + rest, sampling, marker=other))
-    assert kept.report.prompt_tokens == 1 + len(other) + len(rest)
+    assert skipped.report.prompt_tokens == 1 + len(rest)  # the pending marker, then the rest: not twice
+    assert worker.directory.tokens("acme", "m")[40 : 41 + len(rest)] == marker + rest
+    # the same tokens after an answer that did not stop on the marker are prefilled as they are
+    worker.open("acme", "n", document, make_policy("full"), sampling=SamplingParams(max_new_tokens=1))
+    kept = worker.run(TurnRequest("acme", "n", marker + rest, sampling, marker=marker))
+    assert kept.report.prompt_tokens == 1 + len(marker) + len(rest)
 
 
 def test_templated_user_messages_start_with_the_marker_tokens():
