@@ -149,8 +149,7 @@ class SessionStore:
                 log.info("session %s moves from worker %s to %s", key, entry.owner, self.worker_id)
             imported = self._import(entry)
             if imported is not None:
-                tokens = self.directory.tokens(entry.tenant, entry.session_id)
-                marks = self.directory.marks(entry.tenant, entry.session_id)
+                tokens, marks = self._log(entry)
                 self._restore(session, entry, imported, tokens, marks, self._import(entry, part="full"))
                 self.counters["imports"] += 1
                 return session, "imported"
@@ -174,17 +173,18 @@ class SessionStore:
 
     def _rebuild(self, session: Session, entry: SessionEntry, held: Held | None) -> None:
         """Replay the session's turns from its token log (this worker's copy when current)."""
-        if held is not None:
-            transcript, marks = held.transcript, held.marks
-        else:
-            transcript = self.directory.tokens(entry.tenant, entry.session_id)
-            marks = self.directory.marks(entry.tenant, entry.session_id)
+        transcript, marks = (held.transcript, held.marks) if held is not None else self._log(entry)
         if len(transcript) != entry.log_len:
             raise Unavailable(
                 f"token log of {entry.session_id!r} has {len(transcript)} tokens, expected {entry.log_len}; retry"
             )
         if transcript:
             self.engine.rebuild(session, transcript, entry.logical_len or len(transcript), marks)
+
+    def _log(self, entry: SessionEntry) -> tuple[list[int], list[TurnMark]]:
+        """The session's token log and turn marks, from the directory."""
+        tenant, session_id = entry.tenant, entry.session_id
+        return self.directory.tokens(tenant, session_id), self.directory.marks(tenant, session_id)
 
     def _import(self, entry: SessionEntry, part: str = "") -> KVBlob | None:
         """A KV blob handed over by a draining worker, if it is of this entry's version."""
@@ -259,6 +259,8 @@ class SessionStore:
         session's current version, else the directory's (a session that moved here)."""
         if held is not None and held.entry.version == entry.version:
             return held.messages
+        if entry.log_len == 0:  # a session being opened: nothing logged yet (no read on every open)
+            return []
         try:
             return self.directory.messages(entry.tenant, entry.session_id)
         except Unavailable:

@@ -12,6 +12,7 @@ H2O(window=32, budget=64, ratio=None)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import re
@@ -60,7 +61,12 @@ for _cls in (FullKV, SnapKV, StreamingLLM, H2O, Scissorhands):
 
 def policy_params(name: str) -> dict[str, type]:
     """The parameters of policy ``name``: field name -> its type (the first of a union)."""
-    cls = _class(name)
+    return dict(_params_of(_class(name)))
+
+
+@functools.cache
+def _params_of(cls: type[Policy]) -> dict[str, type]:
+    """Read once per class (every session open and settings check asks; type hints are slow)."""
     hints = typing.get_type_hints(cls)
     out = {}
     for f in dataclasses.fields(cls):
@@ -120,9 +126,10 @@ def make_policy(name: str, decode: dict | None = None, **params) -> Policy:
         decoder = make_policy(spec.pop("policy"), **spec)
         return Compose(prefill=make_policy(name, **params), decode=decoder)
     cls = _class(name)
-    unknown = sorted(set(params) - set(policy_params(name)))
+    valid = policy_params(name)
+    unknown = sorted(set(params) - set(valid))
     if unknown:
-        raise InvalidArgument(f"policy {name!r} has no parameter(s) {unknown}; valid: {sorted(policy_params(name))}")
+        raise InvalidArgument(f"policy {name!r} has no parameter(s) {unknown}; valid: {sorted(valid)}")
     return cls(**params)
 
 
