@@ -8,8 +8,10 @@ across Ray and the ingress maps them to status codes.
 
 The streaming methods are async generators fed by one thread per turn: Ray Serve
 cancels an async method when its caller goes away (a client disconnect), and the
-cancellation stops the thread between two tokens. A sync generator method would keep
-generating to the end.
+cancellation stops the thread between two tokens, which cancels the turn in the worker's
+batch. A sync generator method would keep generating to the end. The model itself runs on
+the worker's scheduler thread (engine/scheduler.py), many turns at a time; a turn's thread
+loads its session, waits for its tokens and commits.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class WorkerReplica:
             kivi=parse_kivi(cfg.kv_quant, cfg.kv_quant_group, cfg.kv_quant_residual),
             kivi_device=cfg.kv_quant_device,
         )
-        self.worker = Worker(engine, directory, store, self.worker_id)
+        self.worker = Worker(engine, directory, store, self.worker_id, max_batch=cfg.max_batch)
         self.worker.start_heartbeat(interval_s=2.0)
         self.ongoing = 0
         log.info("worker %s ready: %s on %s (pid %d)", self.worker_id, cfg.model, loaded.device, os.getpid())

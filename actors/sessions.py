@@ -77,6 +77,16 @@ class SessionStore:
         self._busy_lock = threading.Lock()
 
     # -- claims --------------------------------------------------------------------------
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no turn holds a claim (True: every turn in progress has committed), or
+        ``timeout_s`` has passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self._busy:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
     @contextmanager
     def claimed(self, key: str):
         """Claim ``key`` (one turn per session at a time: a second concurrent one gets Conflict,

@@ -6,19 +6,24 @@ A turn, as :meth:`Worker.stream` runs it:
     claim   = the session, until the turn ends (a second concurrent turn: 409)
     entry   = directory entry of (tenant, session)          # Redis: version, lengths, policy
     session = load KV: device -> host -> disk tier, a hand-over, else replay the token log
-    stream  = engine: prefill the new tokens, compress, decode (streamed)
+    job     = the turn joins the worker's batch (engine/scheduler.py): prefill the new tokens,
+              compress, decode together with the other sessions' turns (streamed)
     commit  = KV back into the device tier; compare-and-set the entry (version + 1), append
               the turn's tokens, mark and messages to the logs
+
+The scheduler thread owns the model while turns run; the request's own thread loads, waits
+for its tokens and commits. A rebuild (model work outside any turn) takes the model lock
+between two of the scheduler's steps.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
 
 from kvsnap.engine.engine import Engine, TurnResult, TurnStream
 from kvsnap.engine.sampling import SamplingParams
+from kvsnap.engine.scheduler import Job, Scheduler
 from kvsnap.engine.session import Session
 from kvsnap.errors import Conflict, Unavailable
 from kvsnap.policies import Policy, policy_to_json
@@ -29,15 +34,26 @@ from .sessions import Claim, SessionStore
 from .turns import SessionSpec, TurnRequest
 
 log = logging.getLogger(__name__)
+DRAIN_WAIT_S = 60.0  # a drain waits this long for the turns in progress to end before handing sessions over
 
 
 class Worker:
-    def __init__(self, engine: Engine, directory: SessionDirectory, store: TieredStore, worker_id: str):
+    def __init__(
+        self,
+        engine: Engine,
+        directory: SessionDirectory,
+        store: TieredStore,
+        worker_id: str,
+        *,
+        max_batch: int = 16,
+        step_tokens: int | None = None,
+    ):
         self.engine = engine
         self.sessions = SessionStore(engine, directory, store, worker_id)
         self.worker_id = self.sessions.worker_id
         self.directory, self.store, self.counters = directory, store, self.sessions.counters
-        self._model = threading.RLock()  # one model: turns run one at a time
+        self._model = threading.RLock()  # the model: held by the scheduler for each step, and by rebuilds
+        self.scheduler = Scheduler(engine, self._model, max_batch=max_batch, step_tokens=step_tokens)
         self._stop = threading.Event()
         self.draining = False
         self._resume: threading.Timer | None = None  # ends a drain (see drain)
@@ -74,9 +90,10 @@ class Worker:
                     )
                 with self._model:  # a rebuild runs the model
                     session, source = self.sessions.load(req.key, entry)
-            stream = self.engine.stream(session, self._unmarked(req, session), req.sampling)
-        out = TurnStream(finish_reason=stream.finish_reason, source=source, on_close=claim.release, detok=stream.detok)
-        out.tokens = self._run(claim, req, entry, session, stream, out)
+            turn = self.engine.start(session, self._unmarked(req, session), req.sampling)
+        job = self.scheduler.job(turn)  # submitted when the stream is first iterated
+        out = TurnStream(source=source, on_close=claim.release, detok=job)
+        out.tokens = self._run(claim, req, entry, session, job, out)
         return out
 
     def run(self, req: TurnRequest) -> TurnResult:
@@ -132,28 +149,37 @@ class Worker:
         self.sessions.create(entry)
         return entry
 
-    def _run(
-        self, claim: Claim, req: TurnRequest, entry: SessionEntry, session: Session, stream: TurnStream, out
-    ) -> Iterator[int]:
-        """The turn's tokens, under the model lock; commits when it ends (also when closed early)."""
-        with claim, self._model:
+    def _run(self, claim: Claim, req: TurnRequest, entry: SessionEntry, session: Session, job: Job, out):
+        """The turn's tokens as the scheduler makes them; commits when it ends (also when closed early)."""
+        with claim:
+            self.scheduler.submit(job)
             try:
-                yield from stream
+                yield from job
             except GeneratorExit:  # the client went away: keep what was generated
-                self._finish(req, entry, session, stream, out)
+                job.cancel()
+                job.wait()
+                if job.error is None:
+                    self._finish(req, entry, session, job, out)
+                else:
+                    self._discard(req, out)
                 raise
             except BaseException:  # the turn broke half way: its KV is not trusted, the log is
-                self.sessions.forget(req.key)
-                if out.source == "new":
-                    self.directory.delete(req.tenant, req.session_id)
+                job.cancel()
+                job.wait()
+                self._discard(req, out)
                 raise
-            self._finish(req, entry, session, stream, out)
+            self._finish(req, entry, session, job, out)
 
-    def _finish(self, req: TurnRequest, entry: SessionEntry, session: Session, stream: TurnStream, out) -> None:
-        out.finish_reason, out.report = stream.finish_reason, stream.report
+    def _discard(self, req: TurnRequest, out: TurnStream) -> None:
+        self.sessions.forget(req.key)
+        if out.source == "new":
+            self.directory.delete(req.tenant, req.session_id)
+
+    def _finish(self, req: TurnRequest, entry: SessionEntry, session: Session, job: Job, out) -> None:
+        out.finish_reason, out.report = job.turn.finish_reason, job.turn.report
         messages = list(req.log)
         if req.answer_role:  # logged as the caller got it: cut at its stop string
-            messages.append({"role": req.answer_role, "content": stream.text})
+            messages.append({"role": req.answer_role, "content": job.text})
         self.sessions.commit(req.key, entry, session, messages, req.turn_id)
 
     # -- sessions ------------------------------------------------------------------------
@@ -187,6 +213,7 @@ class Worker:
 
     def stop(self) -> None:
         self._stop.set()
+        self.scheduler.stop()
 
     def drain(self, resume_after_s: float | None = None) -> int:
         """Stop taking turns and hand every held session's KV over (:meth:`SessionStore.export_all`).
@@ -199,7 +226,8 @@ class Worker:
         if self._resume is not None:
             self._resume.cancel()
             self._resume = None
-        with self._model:  # after the turn in progress has committed
+        self.sessions.wait_idle(DRAIN_WAIT_S)  # the turns in progress end and commit first
+        with self._model:
             exported = self.sessions.export_all()
         log.info("worker %s drained: %d sessions exported", self.worker_id, exported)
         if resume_after_s is not None:
@@ -214,7 +242,13 @@ class Worker:
         log.info("worker %s: drain over, taking sessions again", self.worker_id)
 
     def stats(self) -> dict:
-        return {"worker": self.worker_id, "epoch": self.epoch, "draining": self.draining, **self.sessions.stats()}
+        return {
+            "worker": self.worker_id,
+            "epoch": self.epoch,
+            "draining": self.draining,
+            **self.sessions.stats(),
+            "batch": self.scheduler.load,
+        }
 
 
 __all__ = ["Worker"]

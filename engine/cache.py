@@ -8,6 +8,12 @@ sequence length and places its kept rows just before the new tokens in mask
 space (a virtual offset), so position ids stay logical for every layer, sliding
 window layers keep working, and the library's own mask code builds the right
 causal mask.
+
+Rows live in a buffer that grows by blocks (:class:`BlockRows`): a decode step writes one row
+per layer in place instead of concatenating the whole cache again (transformers' own
+``DynamicLayer`` copies every row on every token). ``keys`` / ``values`` are views of the
+rows in use; sliding-window layers move their start forward and compact when the buffer is
+full, so a Gemma 3 sliding layer copies its window once per block of tokens, not per token.
 """
 
 from __future__ import annotations
@@ -17,21 +23,90 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingW
 
 from kvsnap.policies import gather_rows
 
+BLOCK_ROWS = 128  # spare rows a layer's buffer gets when it grows (one copy per this many tokens)
 
-class CompressedLayer(DynamicLayer):
+
+class BlockRows:
+    """Keys and values in buffers ``[1, H_kv, capacity, D]`` of which rows ``[_start, _end)`` are
+    in use. Appending writes the new rows in place (growing by :data:`BLOCK_ROWS` when full);
+    ``keys`` / ``values`` are views of the rows in use, and assigning them replaces the buffers
+    (a tensor handed in is never written to: its rows are all in use, so the next append
+    reallocates)."""
+
+    def _init_rows(self) -> None:
+        self._k = self._v = None
+        self._start = self._end = 0
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._k is None else self._k[:, :, self._start : self._end]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._k = value if value is None or value.dim() == 4 else None
+        self._start, self._end = 0, 0 if self._k is None else self._k.shape[-2]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._v is None else self._v[:, :, self._start : self._end]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._v = value if value is None or value.dim() == 4 else None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)  # sets empty 1-D tensors: no rows yet
+        self._init_rows()
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``[1, H_kv, n, D]`` new rows after the rows in use; returns views of all of them."""
+        n = key_states.shape[-2]
+        if self._k is None or self._end + n > self._k.shape[-2]:
+            self._grow(key_states, value_states, n)
+        self._k[:, :, self._end : self._end + n] = key_states
+        self._v[:, :, self._end : self._end + n] = value_states
+        self._end += n
+        return self.keys, self.values
+
+    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, n: int) -> None:
+        """New buffers with room for ``n`` more rows and a block spare; the rows in use move to the front."""
+        used = self._end - self._start
+        buffers = []
+        for old, new in ((self._k, key_states), (self._v, value_states)):
+            b, h, _, d = new.shape
+            buf = new.new_empty((b, h, used + n + BLOCK_ROWS, d))
+            if used:
+                buf[:, :, :used] = old[:, :, self._start : self._end]
+            buffers.append(buf)
+        self._k, self._v = buffers
+        self._start, self._end = 0, used
+
+    def exact(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows in use as tensors of their own (no spare capacity: what a tier stores)."""
+        if self._k is None:
+            return self.keys, self.values
+        if self._start == 0 and self._end == self._k.shape[-2]:
+            return self._k, self._v
+        return self.keys.clone(), self.values.clone()
+
+
+class CompressedLayer(BlockRows, DynamicLayer):
     """A full-attention layer whose rows may be a subset of the positions seen."""
 
     def __init__(self, **kwargs):
+        self._init_rows()
         super().__init__()
         self.logical_len = 0
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
         self.logical_len += key_states.shape[-2]
-        return super().update(key_states, value_states, *args, **kwargs)
+        return self._append(key_states, value_states)
 
     @property
     def kept_len(self) -> int:
-        return 0 if not self.is_initialized or self.keys.numel() == 0 else self.keys.shape[-2]
+        return 0 if not self.is_initialized or self._k is None else self._end - self._start
 
     def get_seq_length(self) -> int:
         return self.logical_len
@@ -42,11 +117,31 @@ class CompressedLayer(DynamicLayer):
 
     def keep(self, positions: torch.Tensor) -> None:
         """Keep only ``positions`` ([1, H_kv, k], ascending physical rows)."""
-        self.keys = gather_rows(self.keys, positions).contiguous()
+        keys = gather_rows(self.keys, positions).contiguous()
         self.values = gather_rows(self.values, positions).contiguous()
+        self.keys = keys
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a compressed layer cannot be cropped")
+
+
+class SlidingLayer(BlockRows, DynamicSlidingWindowLayer):
+    """A sliding-window layer (the last ``sliding_window - 1`` rows kept), appending in place."""
+
+    def __init__(self, sliding_window: int, **kwargs):
+        self._init_rows()
+        super().__init__(sliding_window=sliding_window)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        keys, values = self._append(key_states, value_states)  # the window so far plus the new rows
+        self._start = max(self._start, self._end - (self.sliding_window - 1))
+        return keys, values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a session's sliding layer cannot be cropped")
 
 
 def new_session_cache(config) -> DynamicCache:
@@ -55,6 +150,8 @@ def new_session_cache(config) -> DynamicCache:
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
             cache.layers[i] = CompressedLayer()
+        elif type(layer) is DynamicSlidingWindowLayer:
+            cache.layers[i] = SlidingLayer(layer.sliding_window)
     return cache
 
 
@@ -96,10 +193,11 @@ def kept_len(cache: DynamicCache) -> int:
 
 
 def export_kv(cache: DynamicCache) -> list[torch.Tensor]:
-    """The cache's tensors, ``[k_0, v_0, k_1, v_1, ...]``, each ``[1, H_kv, rows, D]`` (no copy)."""
+    """The cache's tensors, ``[k_0, v_0, k_1, v_1, ...]``, each ``[1, H_kv, rows, D]`` (no copy
+    unless a layer's buffer has spare rows: a tier holds exactly the bytes it counts)."""
     tensors = []
     for layer in cache.layers:
-        tensors += [layer.keys, layer.values]
+        tensors += list(layer.exact()) if isinstance(layer, BlockRows) else [layer.keys, layer.values]
     return tensors
 
 

@@ -6,7 +6,8 @@ registers its own attention implementation with transformers ("kvsnap"): plain
 SDPA, except that while a :class:`WindowCapture` is active it keeps the last
 ``window`` query rows of the layers it was asked for. Prefill may run in chunks;
 the capture keeps a rolling tail across them. Eager attention for the whole
-prompt is never needed.
+prompt is never needed. The same function runs a batched decode step's attention row by row
+(:mod:`.batch`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from .batch import RaggedKV, ragged_attention
 
 ATTN_IMPLEMENTATION = "kvsnap"
 
@@ -56,6 +59,8 @@ def _capturing_sdpa(module, query, key, value, attention_mask, **kwargs):
     capture = _active.get()
     if capture is not None and getattr(module, "layer_idx", None) in capture.layers:
         capture.add(module.layer_idx, query, kwargs.get("scaling"))
+    if isinstance(key, RaggedKV):  # a batched decode step: each row on its own session's rows
+        return ragged_attention(sdpa_attention_forward, module, query, key, value, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

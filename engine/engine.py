@@ -9,6 +9,9 @@ Usable in-process, without Ray or Redis:
 A turn reads like a recipe: prefill the new tokens onto the cache (true RoPE
 positions), compress the full-attention layers with the session's policy, then
 decode, streaming token ids. Generated tokens stay in the transcript for the next turn.
+The turn itself is a :class:`~.turn.Turn` (its steps); here it runs alone, one decode step
+of one row per token. ``engine/scheduler.py`` runs many turns' steps together, and
+:meth:`Engine.decode_step` is the one decode step both use.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ import torch
 from kvsnap.errors import InvalidArgument
 from kvsnap.policies import Policy, gather_rows, make_policy, step_attention, window_attention
 
+from .batch import batch_inputs
 from .cache import CompressedLayer, full_layer_indices, new_session_cache
 from .capture import WindowCapture
 from .detok import Detokenizer
 from .models import LoadedModel
-from .sampling import SamplingParams, sample_next
+from .sampling import SamplingParams
 from .session import Session, TurnMark, TurnReport, marks_cover
+from .turn import Prefill, Timer, Turn
 
 
 @dataclass(slots=True)
@@ -67,13 +72,6 @@ class TurnStream:
         finally:
             if self.on_close is not None:
                 self.on_close()
-
-
-@dataclass(slots=True)
-class _Timer:
-    prefill_s: float = 0.0
-    compress_s: float = 0.0
-    reselect_s: float = 0.0
 
 
 RESELECT_CHUNK = 4096  # rows of the host-side full cache moved to the device at a time for scoring
@@ -120,81 +118,54 @@ class Engine:
         consistent: every yielded token is in the transcript. ``sampling=None`` only
         prefills (e.g. a document opening a session).
         """
-        self.check(session, tokens, sampling)  # before any model work
-        out = TurnStream(detok=Detokenizer(self.tokenizer, sampling.stop) if sampling is not None else None)
-        out.tokens = self._stream(session, list(tokens), sampling, out)
+        turn = self.start(session, tokens, sampling)
+        out = TurnStream(detok=turn.detok)
+        out.tokens = self._alone(turn, out)
         return out
 
-    def _stream(self, session: Session, tokens: list[int], sampling: SamplingParams | None, out: TurnStream):
-        started = time.perf_counter()
-        timer = _Timer()
-        prompt_tokens = len(session.pending) + len(tokens)
-        mark = TurnMark(len(tokens), 0, 0, reselected=_has_full_copy(session))
-        logits = self.prefill(session, tokens, timer)
-        generated = 0
-        ttft = 0.0
-        decode_started = time.perf_counter()
+    def start(self, session: Session, tokens: list[int], sampling: SamplingParams | None) -> Turn:
+        """A turn of ``session``, checked (InvalidArgument before any model work), not started."""
+        self.check(session, tokens, sampling)
+        return Turn(self, session, list(tokens), sampling)
+
+    def _alone(self, turn: Turn, out: TurnStream) -> Iterator[int]:
+        """Drive ``turn`` by itself: every prompt chunk, then a decode step per token."""
         try:
-            for token in self.decode_tokens(session, logits, sampling, out) if sampling is not None else ():
-                generated += 1
-                if generated == 1:
-                    ttft = time.perf_counter() - started
-                yield token
+            while not turn.done:
+                if turn.prefilling:
+                    token = turn.prefill_step(self.prefill_chunk)
+                else:
+                    token = turn.accept(self.decode_step([turn.session])[0])
+                if token is not None:
+                    yield token
         finally:
-            if out.detok is not None:
-                out.detok.finish()
-            session.turns += 1
-            mark.generated, mark.logical_len = generated, session.logical_len
-            mark.stopped_on = out.detok.matched if out.detok is not None else ""
-            session.marks.append(mark)
-            out.report = TurnReport(
-                prompt_tokens=prompt_tokens,
-                generated_tokens=generated,
-                logical_len=session.logical_len,
-                kept_len=session.kept_len,
-                kv_bytes=session.kv_bytes,
-                full_kv_bytes=session.full_kv_bytes,
-                prefill_s=timer.prefill_s,
-                compress_s=timer.compress_s,
-                decode_s=time.perf_counter() - decode_started,
-                ttft_s=ttft,
-                reselect_s=timer.reselect_s,
-            )
-            session.reports.append(out.report)
+            out.report = turn.finish()
+            out.finish_reason = turn.finish_reason
 
     # -- the steps -----------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(self, session: Session, tokens: list[int], timer: _Timer | None = None) -> torch.Tensor:
+    def prefill(self, session: Session, tokens: list[int], timer: Timer | None = None) -> torch.Tensor:
         """Prefill pending + ``tokens`` onto the cache, then compress. Returns next-token logits [V]."""
-        timer = timer or _Timer()
-        first_turn = session.logical_len == 0
-        new = session.pending + list(tokens)
-        session.transcript.extend(tokens)
-        window = min(session.policy.window, len(new))
-        decoder = session.policy.decoder()
-        compress = session.policy.compresses_anything and (first_turn or session.recompress != "never")
-        capture_layers = set()
-        if compress or (decoder is not None and decoder.needs_attention):
-            capture_layers = set(full_layer_indices(session.cache))
+        job = Prefill(self, session, tokens, timer or Timer())
+        while (logits := job.step(self.prefill_chunk)) is None:
+            pass
+        return logits
 
-        t0 = time.perf_counter()
-        with WindowCapture(window, capture_layers) as captured:
-            logits = self._forward(session, new)
-        timer.prefill_s += time.perf_counter() - t0
-
-        if compress and session.policy.reselects and (first_turn or session.full_kv is not None):
+    def _after_prefill(self, job: Prefill) -> None:
+        """The prompt is on the cache: compress it with the session's policy (or re-select from
+        its full copy) and start decode-time eviction."""
+        session, timer, captured = job.session, job.timer, job.capture
+        if job.compress and session.policy.reselects and (job.first_turn or session.full_kv is not None):
             t0 = time.perf_counter()
-            self._reselect(session, captured, window)
+            self._reselect(session, captured, job.window)
             elapsed = time.perf_counter() - t0
             timer.reselect_s += elapsed
             timer.compress_s += elapsed
-        elif compress:  # also a reselect session that lost its full copy: plain SnapKV per turn
+        elif job.compress:  # also a reselect session that lost its full copy: plain SnapKV per turn
             t0 = time.perf_counter()
-            self._compress(session, captured, window)
+            self._compress(session, captured, job.window)
             timer.compress_s += time.perf_counter() - t0
-        if decoder is not None:
-            session.decoding = self._start_decoding(session, decoder, captured)
-        return logits
+        if job.decoder is not None:
+            session.decoding = self._start_decoding(session, job.decoder, captured)
 
     def _forward(self, session: Session, new: list[int]) -> torch.Tensor:
         """Run ``new`` through the model in chunks on the session cache; logits of the last position."""
@@ -272,52 +243,37 @@ class Engine:
                 positions = decoder.keep(state, layer.kept_len, room).to(layer.keys.device)
                 layer.keep(positions.expand(layer.keys.shape[0], layer.keys.shape[1], -1))
 
-    def _decode_step(self, session: Session) -> torch.Tensor:
-        """Feed the pending token(s) back; with a decode-time evictor, make room first and let it
-        see this step's attention (one query row per layer)."""
-        decoder = session.policy.decoder()
-        if decoder is None:
-            return self._forward(session, session.pending)
-        self._make_room(session, decoder, len(session.pending))
-        layers = set(session.decoding) if decoder.needs_attention else set()
+    @torch.inference_mode()
+    def decode_step(self, sessions: list[Session]) -> torch.Tensor:
+        """Feed every session its pending token in one batched forward (each row on its own cache,
+        :mod:`.batch`); returns next-token logits ``[B, V]``. A session with a decode-time evictor
+        makes room first and lets it see this step's attention (its own row's query)."""
+        observed = []
+        for row, session in enumerate(sessions):
+            decoder = session.policy.decoder()
+            if decoder is not None:
+                self._make_room(session, decoder, 1)
+                if decoder.needs_attention:
+                    observed.append((row, session, decoder))
+        layers = {idx for _, session, _ in observed for idx in session.decoding}
         with WindowCapture(1, layers) as captured:
-            logits = self._forward(session, session.pending)
-        for idx in layers:
-            attn = step_attention(captured.queries[idx], session.cache.layers[idx].keys, captured.scales.get(idx))
-            decoder.observe(session.decoding[idx], attn)  # attn: [B, H_kv, rows]
-        return logits
+            out = self.model(**batch_inputs(sessions, self.device))
+        for session in sessions:
+            session.logical_len += 1
+        for row, session, decoder in observed:
+            for idx, state in session.decoding.items():
+                query = captured.queries[idx][row : row + 1]  # [1, H, 1, D]: this session's row only
+                attn = step_attention(query, session.cache.layers[idx].keys, captured.scales.get(idx))
+                decoder.observe(state, attn)  # attn: [1, H_kv, rows]
+        return out.logits[:, -1].float()
 
-    def decode_tokens(
-        self, session: Session, logits: torch.Tensor, sampling: SamplingParams, out: TurnStream
-    ) -> Iterator[int]:
-        """Sample from ``logits``, feed each token back, until EOS, a stop string or the token limit."""
-        generator = sampling.generator()
-        detok = out.detok if out.detok is not None else Detokenizer(self.tokenizer, sampling.stop)
-        generated: list[int] = []
-        out.finish_reason = "length"
-        while True:
-            token = sample_next(logits, sampling, generator)
-            if token in self.eos_ids:  # EOS ends the answer and is not kept in the transcript
-                out.finish_reason = "stop"
-                return
-            session.transcript.append(token)
-            generated.append(token)
-            detok.add(token)
-            yield token
-            if detok.stopped:  # a stop string appeared (the tokens up to it stay in the session)
-                out.finish_reason = "stop"
-                return
-            if len(generated) >= sampling.max_new_tokens:
-                return
-            if session.logical_len + len(session.pending) >= self.max_context:
-                return
-            with torch.inference_mode():
-                logits = self._decode_step(session)
+    def _decode_step(self, session: Session) -> torch.Tensor:
+        return self.decode_step([session])[0]
 
     @torch.inference_mode()
     def force(self, session: Session, token: int) -> torch.Tensor:
         """Append ``token`` as if it had been generated (teacher forcing: decode-time eviction
-        runs as in :meth:`decode_tokens`); returns the next-token logits [V]."""
+        runs as in a turn); returns the next-token logits [V]."""
         if session.logical_len == 0 or session.pending:
             raise InvalidArgument("force continues a prefilled session whose last token is in its cache")
         session.transcript.append(token)
@@ -371,7 +327,7 @@ class Engine:
             for token in transcript[prompt_end : prompt_end + mark.generated]:
                 session.transcript.append(token)
                 if session.logical_len < mark.logical_len:
-                    self._decode_step(session)  # as decode_tokens fed it back
+                    self._decode_step(session)  # as the turn fed it back
             start = prompt_end + mark.generated
             session.marks.append(mark)
 
@@ -380,11 +336,6 @@ class Engine:
         """Next-token logits of one uncached forward pass over ``tokens`` (the exactness oracle)."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         return self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
-
-
-def _has_full_copy(session: Session) -> bool:
-    """Whether this turn re-selects from a full copy (always true but for a reselect session that lost it)."""
-    return not session.policy.reselects or session.logical_len == 0 or session.full_kv is not None
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

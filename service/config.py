@@ -75,16 +75,30 @@ class ServiceConfig(BaseModel):
     kv_quant_device: bool = Field(False, description="also quantize the device tier (with kv_quant)")
     kv_quant_group: int = Field(32, ge=1, description="KIVI group size: tokens per key group, channels per value group")
     kv_quant_residual: int = Field(32, ge=0, description="KIVI: most recent rows kept in full precision")
-    prefill_chunk: int = Field(1024, ge=1, description="tokens per prefill forward pass")
+    prefill_chunk: int = Field(
+        1024,
+        ge=1,
+        description="prompt tokens per prefill forward pass; a worker's batch runs at most this many prompt "
+        "tokens (one chunk at least) between two decode steps, so a long document holds the sessions "
+        "decoding beside it up for one chunk at a time",
+    )
+    max_batch: int = Field(
+        16,
+        ge=1,
+        description="turns a worker replica runs together (continuous batching: one decode step for all of "
+        "them); more wait in its queue. 1 = one turn at a time",
+    )
     max_prompt_tokens: int = Field(16384, ge=1, description="most tokens one request may add")
     max_body_bytes: int = Field(4 << 20, ge=1024, description="largest request body")
     max_new_tokens: int = Field(1024, ge=1, description="most tokens one turn may generate")
     default_max_tokens: int = Field(128, ge=1, description="tokens generated when a request names none")
-    max_ongoing_requests: int = Field(4, ge=1, description="requests a replica works on at once")
+    max_ongoing_requests: int = Field(
+        32, ge=1, description="requests a replica takes at once: its batch (max_batch) and its queue"
+    )
     max_queued_requests: int = Field(16, ge=0, description="requests waiting per deployment before 429")
     request_timeout_s: float = Field(300.0, gt=0)
     overload_queue_len: int = Field(
-        8,
+        24,
         ge=1,
         description="a holder with this many ongoing requests gives up new turns of its sessions to another replica",
     )
@@ -100,6 +114,15 @@ class ServiceConfig(BaseModel):
     )
     session_ttl_s: int = Field(24 * 3600, ge=1, description="idle sessions expire after this")
     defaults: PolicyDefaults = Field(default_factory=PolicyDefaults)
+
+    @model_validator(mode="after")
+    def _batch_fits(self) -> ServiceConfig:
+        if self.max_batch > self.max_ongoing_requests:
+            raise ValueError(
+                f"max_batch ({self.max_batch}) must be <= max_ongoing_requests ({self.max_ongoing_requests}): "
+                "a replica never takes more requests than that, so the batch could never fill"
+            )
+        return self
 
     @model_validator(mode="after")
     def _max_tokens_fit(self) -> ServiceConfig:

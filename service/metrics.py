@@ -8,7 +8,9 @@ come from the load each worker publishes to Redis with its heartbeat.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from kvsnap.engine.scheduler import BATCH_BUCKETS, TOKEN_BUCKETS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -36,6 +38,29 @@ class WorkerLoadCollector:
             rebuilds.add_metric([worker], stats.get("rebuilds", 0))
             hits.add_metric([worker], sum(v for k, v in stats.items() if k.startswith("hit_")))
         yield from (kv, sessions, moves, rebuilds, hits)
+        yield from _batch_histograms(loads)
+
+
+def _batch_histograms(loads: dict):
+    """Each worker's continuous-batching histograms (cumulative, from its scheduler's counters)."""
+    batch = HistogramMetricFamily(
+        "kvsnap_batch_size", "sessions in each decode step of a worker's batch", labels=["worker"]
+    )
+    tokens = HistogramMetricFamily(
+        "kvsnap_step_tokens", "tokens a worker's batch step runs (prompt chunks plus decode rows)", labels=["worker"]
+    )
+    for worker, stats in loads.items():
+        counts = stats.get("batch") or {}
+        for family, prefix, buckets, total in (
+            (batch, "batch_le_", BATCH_BUCKETS, counts.get("rows", 0)),
+            (tokens, "tokens_le_", TOKEN_BUCKETS, counts.get("tokens", 0)),
+        ):
+            running, cumulative = 0, []
+            for bound in (*buckets, "inf"):
+                running += counts.get(f"{prefix}{bound}", 0)
+                cumulative.append(("+Inf" if bound == "inf" else str(bound), running))
+            family.add_metric([worker], cumulative, sum_value=total)
+    yield from (batch, tokens)
 
 
 class Metrics:
@@ -55,6 +80,12 @@ class Metrics:
         self.kept_tokens = Counter("kvsnap_kept_tokens", "rows kept per full layer after each turn", registry=r)
         self.generated_tokens = Counter("kvsnap_generated_tokens", "tokens generated", registry=r)
         self.requests = Counter("kvsnap_requests", "requests by route and status", ["route", "code"], registry=r)
+        self.queue_wait = Histogram(
+            "kvsnap_queue_wait_seconds",
+            "per turn: waiting for a place in its worker's batch (continuous batching)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.reselect = Histogram(
             "kvsnap_reselect_seconds",
             "per turn: re-selecting from the full cache (sessions with recompress=reselect)",
@@ -70,6 +101,7 @@ class Metrics:
         self.generated_tokens.inc(report["generated_tokens"])
         if report["generated_tokens"] > 1:
             self.tpot.observe(decode_s / (report["generated_tokens"] - 1))
+        self.queue_wait.observe(report.get("queue_s", 0.0))
         if report.get("reselect_s"):
             self.reselect.observe(report["reselect_s"])
 

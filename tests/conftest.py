@@ -96,6 +96,7 @@ def service(redis_server, tmp_path_factory):
         max_body_bytes=64 * 1024,
         max_new_tokens=4000,
         max_ongoing_requests=3,
+        max_batch=3,
         max_queued_requests=5,
         overload_queue_len=3,
         request_timeout_s=60,

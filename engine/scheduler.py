@@ -1,0 +1,248 @@
+"""Continuous batching: one thread owns the model and runs many sessions' turns step by step.
+
+Each step (nano-vllm / vLLM style iteration-level scheduling):
+
+    admit    waiting turns join the batch while fewer than ``max_batch`` run (first come, first in)
+    prefill  the next prompt chunk of turns still prefilling, oldest first, while the step's token
+             budget lasts (at least one chunk a step): a long document holds the running sessions
+             up for one chunk per step, never for its whole prompt
+    decode   one batched forward feeds every decoding turn its pending token, each on its own
+             cache (:meth:`Engine.decode_step`); each turn samples from its own row
+    hand out each new token (and its text) goes to the turn's consumer; turns that ended leave
+
+A turn's chunks are cut the same way alone and in a batch (every ``chunk`` tokens from its
+prompt's start), and every row is computed from its own session only, so a session's tokens
+are the tokens it would get alone. Errors stay with their turn: one whose sampling or stop
+check fails ends alone with its error; a failed batched forward fails the turns in it (their
+caches may be half-updated: the worker forgets them and rebuilds from the log). A cancelled
+turn (client gone) leaves at the next step boundary; one still prefilling finishes its prompt
+first, so that its mark in the log describes a whole prompt.
+
+Consumers (request threads) block on a :class:`Job`; nothing they do touches the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Iterator
+
+from .turn import Turn
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # histogram of decode rows per step
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384)  # histogram of tokens run per step
+_END = object()
+
+
+class Job:
+    """A turn handed to the scheduler, as its consumer sees it: iterate for the tokens (the
+    turn's error, if it failed, is raised at the end); ``take`` gives the text that came with
+    the tokens iterated so far; ``cancel`` stops it at the next step."""
+
+    def __init__(self, turn: Turn, scheduler: Scheduler):
+        self.turn = turn
+        self.scheduler = scheduler
+        self.error: BaseException | None = None
+        self.submitted = time.perf_counter()
+        self.queue_s = 0.0  # waiting to join the batch
+        self.ended = threading.Event()
+        self.cancelled = threading.Event()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()  # (token, text delta) | (_END, final delta)
+        self._text: list[str] = []
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            token, delta = self._events.get()
+            self._text.append(delta)
+            if token is _END:
+                if self.error is not None:
+                    raise self.error
+                return
+            yield token
+
+    def take(self, final: bool = False) -> str:
+        """Text of the tokens iterated so far, not handed out yet (``final``: the turn is over)."""
+        if final:
+            self.ended.wait()
+        delta, self._text = "".join(self._text), []
+        return delta
+
+    @property
+    def text(self) -> str:
+        """The answer's text (up to the first stop string), once the turn is over."""
+        return self.turn.detok.text if self.turn.detok is not None else ""
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        self.scheduler.wake()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.ended.wait(timeout)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine,
+        lock: threading.RLock,
+        max_batch: int = 16,
+        step_tokens: int | None = None,
+        *,
+        start: bool = True,
+    ):
+        """``start=False``: no thread; the caller runs the steps (:meth:`run_step`, for tests)."""
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.engine = engine
+        self.lock = lock  # the model's: other model work (rebuilds) runs between steps
+        self.max_batch = max_batch
+        self.chunk = engine.prefill_chunk
+        self.step_tokens = max(step_tokens or engine.prefill_chunk, 1)  # prompt tokens per step (budget)
+        self.stats: Counter = Counter()  # steps, tokens, rows, turns; histogram buckets (batch_le_*, tokens_le_*)
+        self._waiting: deque[Job] = deque()
+        self._running: list[Job] = []
+        self._cv = threading.Condition()
+        self._stopped = False
+        if start:
+            threading.Thread(target=self._loop, name="kvsnap-scheduler", daemon=True).start()
+
+    # -- consumers -----------------------------------------------------------------------
+    def job(self, turn: Turn) -> Job:
+        """A job for ``turn``, not yet submitted (nothing runs before :meth:`submit`)."""
+        return Job(turn, self)
+
+    def submit(self, job: Job | Turn) -> Job:
+        """Queue a job (or a turn) for the batch; it joins at the next step with room."""
+        job = job if isinstance(job, Job) else Job(job, self)
+        job.submitted = time.perf_counter()
+        with self._cv:
+            if self._stopped:
+                raise RuntimeError("scheduler stopped")
+            self._waiting.append(job)
+            self._cv.notify()
+        return job
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+
+    @property
+    def load(self) -> dict:
+        return {"running": len(self._running), "waiting": len(self._waiting), **self.stats}
+
+    # -- the loop ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopped and not self._waiting and not self._running:
+                    self._cv.wait()
+                if self._stopped:
+                    break
+                self._admit()
+            try:
+                self._step()
+            except BaseException as exc:  # noqa: BLE001 - never leave a consumer waiting
+                log.exception("scheduler step failed")
+                for job in list(self._running):
+                    self._fail(job, exc)
+        for job in list(self._running) + list(self._waiting):
+            self._fail(job, RuntimeError("scheduler stopped"))
+
+    def run_step(self) -> bool:
+        """One step, run by the caller (a scheduler made with ``start=False``); False when idle."""
+        with self._cv:
+            self._admit()
+        if not self._running:
+            return False
+        self._step()
+        return True
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_batch:
+            job = self._waiting.popleft()
+            job.queue_s = time.perf_counter() - job.submitted
+            self._running.append(job)
+
+    def _step(self) -> None:
+        for job in [j for j in self._running if j.cancelled.is_set() and not _mid_prompt(j.turn)]:
+            self._end(job)
+        tokens = 0
+        with self.lock:
+            for job in [j for j in self._running if j.turn.prefilling]:
+                n = job.turn.next_chunk(self.chunk)
+                if tokens and tokens + n > self.step_tokens:
+                    break
+                tokens += n
+                self._run(job, job.turn.prefill_step, self.chunk)
+            decoding = [j for j in self._running if j.turn.decoding and not j.cancelled.is_set()]
+            if decoding:
+                try:
+                    logits = self.engine.decode_step([j.turn.session for j in decoding])
+                except BaseException as exc:  # noqa: BLE001 - those caches are not trusted any more
+                    for job in decoding:
+                        self._fail(job, exc)
+                    decoding = []
+                for row, job in enumerate(decoding):
+                    self._run(job, job.turn.accept, logits[row])
+        self._count(len(decoding), tokens + len(decoding))
+
+    def _run(self, job: Job, step, arg) -> None:
+        """One of ``job``'s steps; its token goes out, its error ends it alone."""
+        try:
+            token = step(arg)
+        except BaseException as exc:  # noqa: BLE001 - the turn's own error, handed to its consumer
+            self._fail(job, exc)
+            return
+        if token is not None:
+            job._events.put((token, job.turn.detok.take()))
+        if job.turn.done:
+            self._end(job)
+
+    def _end(self, job: Job) -> None:
+        turn = job.turn
+        report = turn.finish()
+        if report is not None:
+            report.queue_s = job.queue_s
+        final = turn.detok.take(final=True) if turn.detok is not None and report is not None else ""
+        self._leave(job, final)
+
+    def _fail(self, job: Job, error: BaseException) -> None:
+        job.error = error
+        self._leave(job, "")
+
+    def _leave(self, job: Job, final: str) -> None:
+        if job in self._running:
+            self._running.remove(job)
+        job._events.put((_END, final))
+        job.ended.set()
+        self.stats["turns"] += 1
+
+    def _count(self, rows: int, tokens: int) -> None:
+        if not tokens:
+            return
+        self.stats["steps"] += 1
+        self.stats["tokens"] += tokens
+        self.stats["rows"] += rows
+        if rows:
+            self.stats["decode_steps"] += 1
+            self.stats[f"batch_le_{_bucket(rows, BATCH_BUCKETS)}"] += 1
+        self.stats[f"tokens_le_{_bucket(tokens, TOKEN_BUCKETS)}"] += 1
+
+
+def _mid_prompt(turn: Turn) -> bool:
+    """Started on its prompt and not done with it (a cancel waits for the prompt's end)."""
+    return turn.prefill is not None and turn.prefilling
+
+
+def _bucket(value: int, buckets: tuple[int, ...]) -> str:
+    return next((str(b) for b in buckets if value <= b), "inf")

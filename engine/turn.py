@@ -1,0 +1,178 @@
+"""One turn of one session as a sequence of steps: prefill chunks, then one token per decode step.
+
+The same :class:`Turn` runs alone (``Engine.stream`` drives it: every chunk, then a decode step
+of one row per token) and in a batch (``engine/scheduler.py`` interleaves many turns' chunks
+and runs one decode step for all of them). The turn owns everything that is one session's
+own: its prompt's chunks and compression, its sampling (temperature, top-p/top-k, seed), its
+stop strings and token limit, its timings and its mark in the session's log.
+
+    prefill_step(chunk)  # repeat while ``prefilling``: run the next chunk of the prompt; the last
+                         # one compresses and samples the first token
+    accept(logits)       # after each decode step: sample the next token, or end the turn
+    finish()             # once, also when cut short: the turn's mark and report
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .cache import full_layer_indices
+from .capture import WindowCapture
+from .detok import Detokenizer
+from .sampling import SamplingParams, sample_next
+from .session import Session, TurnMark, TurnReport
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+@dataclass(slots=True)
+class Timer:
+    prefill_s: float = 0.0
+    compress_s: float = 0.0
+    reselect_s: float = 0.0
+
+
+class Prefill:
+    """A prompt (the session's pending tokens plus the new ones) going onto the cache chunk by
+    chunk; after the last chunk the session's policy compresses the full-attention layers."""
+
+    def __init__(self, engine: Engine, session: Session, tokens: list[int], timer: Timer):
+        self.engine, self.session, self.timer = engine, session, timer
+        self.first_turn = session.logical_len == 0
+        self.new = session.pending + list(tokens)
+        session.transcript.extend(tokens)
+        policy = session.policy
+        self.window = min(policy.window, len(self.new))
+        self.decoder = policy.decoder()
+        self.compress = policy.compresses_anything and (self.first_turn or session.recompress != "never")
+        layers = set()
+        if self.compress or (self.decoder is not None and self.decoder.needs_attention):
+            layers = set(full_layer_indices(session.cache))
+        self.capture = WindowCapture(self.window, layers)
+        self.done = 0  # tokens of ``new`` on the cache
+
+    @property
+    def remaining(self) -> int:
+        return len(self.new) - self.done
+
+    @torch.inference_mode()
+    def step(self, chunk: int) -> torch.Tensor | None:
+        """Run the next ``chunk`` tokens; after the last ones, compress and return next-token logits [V]."""
+        n = min(chunk, self.remaining)
+        t0 = time.perf_counter()
+        with self.capture:
+            logits = self.engine._forward(self.session, self.new[self.done : self.done + n])
+        self.timer.prefill_s += time.perf_counter() - t0
+        self.done += n
+        if self.remaining:
+            return None
+        self.engine._after_prefill(self)
+        return logits
+
+
+class Turn:
+    def __init__(self, engine: Engine, session: Session, tokens: list[int], sampling: SamplingParams | None):
+        self.engine, self.session, self.sampling = engine, session, sampling
+        self.tokens = list(tokens)
+        self.detok = Detokenizer(engine.tokenizer, sampling.stop) if sampling is not None else None
+        self.generator = sampling.generator() if sampling is not None else None
+        self.timer = Timer()
+        self.prefill: Prefill | None = None  # made at the first step: nothing changes before
+        self.generated: list[int] = []
+        self.finish_reason = "length"  # "stop" (EOS or stop string) | "length"
+        self.done = False
+        self.report: TurnReport | None = None
+        self.started = self.decode_started = 0.0
+        self.ttft = 0.0
+        self.prompt_tokens = len(session.pending) + len(self.tokens)
+        self.mark = TurnMark(len(self.tokens), 0, 0, reselected=_has_full_copy(session))
+
+    @property
+    def prefilling(self) -> bool:
+        return not self.done and (self.prefill is None or self.prefill.remaining > 0)
+
+    @property
+    def decoding(self) -> bool:
+        """Waiting for a decode step (its last token is pending in the session)."""
+        return not self.done and not self.prefilling
+
+    def next_chunk(self, chunk: int) -> int:
+        """Tokens the next :meth:`prefill_step` runs (chunks always start at the prompt's start
+        and every ``chunk`` tokens after it: alone or in a batch, the same forward passes)."""
+        remaining = self.prompt_tokens if self.prefill is None else self.prefill.remaining
+        return min(chunk, remaining)
+
+    def prefill_step(self, chunk: int) -> int | None:
+        """Run the next prompt chunk; after the last one, the first generated token (None when
+        nothing was generated: a prefill-only turn, or EOS at once)."""
+        if self.prefill is None:
+            self.started = time.perf_counter()
+            self.prefill = Prefill(self.engine, self.session, self.tokens, self.timer)
+        logits = self.prefill.step(chunk)
+        if logits is None:
+            return None
+        self.decode_started = time.perf_counter()
+        if self.sampling is None:
+            self.done = True
+            return None
+        return self.accept(logits)
+
+    def accept(self, logits: torch.Tensor) -> int | None:
+        """Sample the next token from ``logits`` [V]; it joins the transcript (pending until the
+        next decode step feeds it). Returns it, or None when the turn ended on EOS."""
+        token = sample_next(logits, self.sampling, self.generator)
+        if token in self.engine.eos_ids:  # EOS ends the answer and is not kept in the transcript
+            self.finish_reason, self.done = "stop", True
+            return None
+        session = self.session
+        session.transcript.append(token)
+        self.generated.append(token)
+        self.detok.add(token)
+        if len(self.generated) == 1:
+            self.ttft = time.perf_counter() - self.started
+        if self.detok.stopped:  # a stop string appeared (the tokens up to it stay in the session)
+            self.finish_reason, self.done = "stop", True
+        else:  # the token limit, or the model's context is full
+            full = session.logical_len + len(session.pending) >= self.engine.max_context
+            self.done = full or len(self.generated) >= self.sampling.max_new_tokens
+        return token
+
+    def finish(self) -> TurnReport | None:
+        """End the turn (idempotent): its mark goes into the session's log and its report is
+        made. A turn cut short keeps every token generated so far. None if it never started."""
+        if self.report is not None or self.prefill is None:
+            return self.report
+        self.done = True
+        session = self.session
+        if self.detok is not None:
+            self.detok.finish()
+        session.turns += 1
+        mark = self.mark
+        mark.generated, mark.logical_len = len(self.generated), session.logical_len
+        mark.stopped_on = self.detok.matched if self.detok is not None else ""
+        session.marks.append(mark)
+        self.report = TurnReport(
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=len(self.generated),
+            logical_len=session.logical_len,
+            kept_len=session.kept_len,
+            kv_bytes=session.kv_bytes,
+            full_kv_bytes=session.full_kv_bytes,
+            prefill_s=self.timer.prefill_s,
+            compress_s=self.timer.compress_s,
+            decode_s=time.perf_counter() - self.decode_started if self.decode_started else 0.0,
+            ttft_s=self.ttft,
+            reselect_s=self.timer.reselect_s,
+        )
+        session.reports.append(self.report)
+        return self.report
+
+
+def _has_full_copy(session: Session) -> bool:
+    """Whether this turn re-selects from a full copy (always true but for a reselect session that lost it)."""
+    return not session.policy.reselects or session.logical_len == 0 or session.full_kv is not None
