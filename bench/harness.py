@@ -43,7 +43,6 @@ def start_service(**overrides):
         http_port=free_port(),
         grpc_port=free_port(),
         api_keys={KEY: "bench"},
-        max_ongoing_requests=4,
         max_queued_requests=64,
         max_new_tokens=64,
         default_max_tokens=16,

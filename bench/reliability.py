@@ -843,6 +843,7 @@ def start(data_dir: Path):
         max_new_tokens=1000,
         default_max_tokens=16,
         max_ongoing_requests=2,
+        max_batch=2,
         max_queued_requests=4,
         overload_queue_len=2,
         request_timeout_s=REQUEST_TIMEOUT_S,

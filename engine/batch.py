@@ -71,5 +71,4 @@ def batch_inputs(sessions: list[Session], device) -> dict:
         "cache": BatchCache([s.cache for s in sessions]),
         "attention_mask": _NO_MASK.to(device),
         "use_cache": True,
-        "logits_to_keep": 1,
     }

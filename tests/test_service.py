@@ -42,19 +42,21 @@ FULL = {"policy": "full"}
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def reference_answers(engine, document: str, questions: list[str], max_tokens: int, policy="full") -> list[str]:
-    """The same conversation on the in-process engine, never interrupted (policy full by default)."""
+def reference_answers(
+    engine, document: str, questions: list[str], max_tokens: int | list[int], policy="full"
+) -> list[str]:
+    """The same conversation on the in-process engine, never interrupted (policy full by default);
+    ``max_tokens`` per turn, or one for all."""
     tok = engine.tokenizer
     session = engine.new_session(policy)
     engine.prefill(session, encode_messages(tok, [{"role": "document", "content": document}], True))
-    sampling = SamplingParams(max_new_tokens=max_tokens, stop=(TURN_MARKER,))  # the templated turns' default
-    return [
-        cut_at_stop(
-            engine.turn(session, encode_messages(tok, [{"role": "user", "content": q}], False), sampling).text,
-            (TURN_MARKER,),
-        )
-        for q in questions
-    ]
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(questions)
+    answers = []
+    for q, limit in zip(questions, limits, strict=True):
+        sampling = SamplingParams(max_new_tokens=limit, stop=(TURN_MARKER,))  # the templated turns' default
+        text = engine.turn(session, encode_messages(tok, [{"role": "user", "content": q}], False), sampling).text
+        answers.append(cut_at_stop(text, (TURN_MARKER,)))
+    return answers
 
 
 def create(service, sid: str, settings=None, key="key-alpha", document=DOC) -> requests.Response:
@@ -512,9 +514,48 @@ def test_metrics_and_health(service):
         "kvsnap_affinity_hits_total",
         "kvsnap_session_moves_total",
         "kvsnap_session_rebuilds_total",
+        "kvsnap_queue_wait_seconds_bucket",
+        "# TYPE kvsnap_batch_size histogram",  # per worker, once it has run a step
+        "# TYPE kvsnap_step_tokens histogram",
     ):
         assert name in text, name
     assert requests.get(f"{service.http}/openapi.json").json()["paths"]["/v1/sessions"]
+
+
+def _batch_steps(service, worker: str) -> tuple[float, float]:
+    """(decode steps, steps of one row) of ``worker``'s batch, from /metrics."""
+    text = requests.get(f"{service.http}/metrics", headers=service.headers()).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("kvsnap_batch_size_") and f'worker="{worker}"' in line:
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0] + ("_le1" if 'le="1.0"' in name else "")] = float(value)
+    return values.get("kvsnap_batch_size_count", 0.0), values.get("kvsnap_batch_size_bucket_le1", 0.0)
+
+
+def test_concurrent_turns_on_one_replica_decode_together_and_equal_the_engine(service, llama_engine):
+    """Continuous batching through the service: three sessions held by one replica answer at
+    once, their turns share decode steps (the replica's batch-size histogram in /metrics), and
+    every answer is the one the engine gives that conversation alone."""
+    holders: dict[str, list[str]] = {}
+    for i in range(5):  # two replicas: one of them holds three of five sessions
+        sid = f"batch-{i}"
+        assert create(service, sid).status_code == 201
+        holders.setdefault(turn(service, sid, QUESTIONS[0]).json()["worker"], []).append(sid)
+    worker, sids = max(holders.items(), key=lambda kv: len(kv[1]))
+    sids = sids[:3]
+    assert len(sids) == 3
+    assert _wait_for(lambda: _batch_steps(service, worker)[0] > 0, 10)  # published with the heartbeat
+    steps_before, single_before = _batch_steps(service, worker)
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda sid: turn(service, sid, QUESTIONS[1], max_tokens=60).json(), sids))
+    want = reference_answers(llama_engine, DOC, QUESTIONS[:2], [6, 60])[-1]
+    for answer in answers:
+        assert answer["worker"] == worker and answer["source"] == "device"
+        assert answer["text"] == want
+    assert _wait_for(lambda: _batch_steps(service, worker)[0] > steps_before, 10)
+    steps, single = _batch_steps(service, worker)
+    assert steps - steps_before > single - single_before  # some decode steps ran two or three sessions
 
 
 # -- 3 and 4. moves: a killed holder, a drained holder, an overloaded holder ---------------------

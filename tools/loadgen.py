@@ -65,6 +65,7 @@ class Sample:
     tokens: int = 0
     source: str = ""
     logical_len: int = 0
+    gaps: list[float] = field(default_factory=list)  # inter-token latencies (gRPC: each chunk's tokens)
 
     @property
     def ok(self) -> bool:
@@ -168,7 +169,7 @@ class GrpcClient:
 
     def turn(self, sid: str, message: str, max_tokens: int) -> Sample:
         t0 = time.perf_counter()
-        ttft, tokens, last = 0.0, 0, None
+        ttft, tokens, last, previous, gaps = 0.0, 0, None, 0.0, []
         request = self.pb2.TurnRequest(
             session_id=sid, message=message, sampling=self.pb2.Sampling(max_tokens=max_tokens, temperature=0)
         )
@@ -177,14 +178,19 @@ class GrpcClient:
                 if chunk.done:
                     last = chunk
                 elif chunk.text or chunk.token_ids:
-                    tokens += 1
-                    ttft = ttft or time.perf_counter() - t0
+                    now, n = time.perf_counter(), max(1, len(chunk.token_ids))
+                    if previous:  # a chunk of n tokens: n gaps of equal share
+                        gaps += [(now - previous) / n] * n
+                    else:
+                        gaps += [0.0] * (n - 1)
+                    previous, tokens = now, tokens + n
+                    ttft = ttft or now - t0
         except self.grpc.RpcError as exc:
             return Sample("turn", exc.code().name, time.perf_counter() - t0)
         if last is None:
             return Sample("turn", "INCOMPLETE", time.perf_counter() - t0)
         e2e = time.perf_counter() - t0
-        return Sample("turn", "OK", e2e, ttft or e2e, last.completion_tokens, last.source, last.state.logical_len)
+        return Sample("turn", "OK", e2e, ttft or e2e, last.completion_tokens, last.source, last.state.logical_len, gaps)
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -272,6 +278,8 @@ def report(samples: list[Sample], elapsed_s: float, spec: LoadSpec, turns_s: flo
         "turns_per_s": len(turns) / (turns_s or elapsed_s) if elapsed_s else 0.0,
         "ttft_s": percentiles([s.ttft_s for s in turns]),
         "tpot_s": percentiles(tpot),
+        "itl_s": percentiles([g for s in turns for g in s.gaps]),  # per token (gRPC only)
+        "decode_tokens_per_s": sum(s.tokens for s in turns) / (turns_s or elapsed_s) if elapsed_s else 0.0,
         "e2e_s": percentiles([s.e2e_s for s in turns]),
         "open_s": percentiles([s.e2e_s for s in opens]),
         "errors": dict(Counter(s.status for s in samples if not s.ok)),
