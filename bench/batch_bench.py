@@ -6,7 +6,8 @@ one worker replica of the embedded Gemma 3 270M (or --model) on --cpus CPUs. It 
 max(--levels) sessions with a document of about --context tokens each, then for each level N
 (1, 2, 4, 8, 16 by default) the first N sessions ask --rounds follow-ups each, all N at once
 (closed loop: each asks its next question when its answer is complete), --max-tokens generated
-tokens per answer, streamed over gRPC. Per level: aggregate decode tokens/s (tokens generated
+tokens per answer (raw turns with ``ignore_eos``: every answer has exactly that length),
+streamed over gRPC. Per level: aggregate decode tokens/s (tokens generated
 by all sessions / wall time of the level), follow-up turns/s, p50 / p99 time to first token and
 inter-token latency (per token, at the client). The ratios on/off are computed from one run.
 
@@ -25,10 +26,11 @@ from pathlib import Path
 
 from harness import KEY, emit, in_own_ray, run_phase_process
 
+# raw turns of exactly --max-tokens tokens each (no stop at the end-of-sequence token)
 QUESTIONS = [
-    "Tell me everything this document says, in detail, as a long numbered list.",
-    "Now write a long story about the people in this document.",
-    "Describe each paragraph of the document once more, at length.",
+    "\nUser: Tell me everything this document says, in detail.\nAssistant:",
+    "\nUser: Now write a long story about the people in this document.\nAssistant:",
+    "\nUser: Describe each paragraph of the document once more.\nAssistant:",
 ]
 
 
@@ -50,7 +52,7 @@ def levels_phase(cfg, levels: list[int], context: int, max_tokens: int, rounds: 
 
         def user(i: int, n: int = n, samples: list = samples, lock=lock) -> None:
             for r in range(rounds):
-                s = client.turn(sids[i], QUESTIONS[r % len(QUESTIONS)], max_tokens)
+                s = client.turn(sids[i], QUESTIONS[r % len(QUESTIONS)], max_tokens, fixed_length=True)
                 with lock:
                     samples.append(s)
 

@@ -1,74 +1,123 @@
-"""One decode step for many sessions at once, each on its own cache.
+"""One forward pass for many sessions at once, each on its own cache: a packed step.
 
-Everything but attention (embeddings, projections, MLPs, norms, the LM head) runs as one
-batched forward over the sessions' next tokens ``[B, 1]``; that is where a decode step's
-time goes, and batching reads the weights once for all B rows. Attention runs per row on
-that row's own cache layers (:class:`BatchCache` hands the attention function a
-:class:`RaggedKV`, one ``[1, H_kv, rows_b, D]`` view per session), so no cache is padded,
-stacked or copied per step, and a row can only ever attend to its own session's rows.
+A step packs every row's new tokens into one sequence ``[1, T]``: a decoding session brings
+its one pending token, a prefilling session the next chunk of its prompt. Everything but
+attention (embeddings, projections, MLPs, norms, and the LM head on each row's last token)
+runs once over the packed tokens, which reads the weights once for all rows: that is where a
+decode step's time goes, and a small prompt chunk rides along almost for free. Each token
+carries its own RoPE position (its session's ``logical_len`` onwards).
 
-Each row has its own RoPE position (its session's ``logical_len``), its own kept rows and its
-own sliding window: with one query per row, every row a layer returns is visible to it (a
-full layer returns its kept rows, a sliding layer its last ``window - 1`` rows), so no mask
-is built at all.
+At every layer :class:`BatchCache` writes row b's new keys and values into session b's own
+cache layer and hands the attention function a :class:`RaggedKV`: per row, views of that
+session's rows (its kept rows plus the new ones) and the row's mask, so no cache is padded,
+stacked or copied per step, and a row can only ever attend to its own session's rows. A row of
+one token sees every row its layer returns (a full layer returns its kept rows, a sliding
+layer its last ``window - 1``): no mask. A row of a prompt chunk gets a causal mask, banded to
+the window on sliding-window layers (the same masks transformers builds for one session).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
+from .cache import SlidingLayer
 from .session import Session
+
+if TYPE_CHECKING:
+    from .capture import WindowCapture
 
 # A 4-D mask makes transformers' mask builders return it as it is (they build none); the
 # ragged attention ignores it.
 _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 
-class RaggedKV(list):
-    """One layer's keys (or values) for a batch: one ``[1, H_kv, rows_b, D]`` view per row."""
+@dataclass(slots=True)
+class Row:
+    """One session's part of a packed step: its new tokens, and the capture that keeps their
+    queries (a prompt's observation window, a decode-time evictor's step) if any."""
 
-    __slots__ = ()
+    session: Session
+    tokens: list[int]
+    capture: WindowCapture | None = None
+
+
+class RaggedKV(list):
+    """One layer's keys (or values) for a packed step: one ``[1, H_kv, rows_b, D]`` view per row,
+    with each row's query span in the packed sequence, its mask, and its capture."""
+
+    def __init__(self, spans, masks=None, captures=None):
+        super().__init__()
+        self.spans, self.masks, self.captures = spans, masks, captures
 
 
 class BatchCache:
-    """The cache object a batched decode forward sees: row ``b``'s keys and values go to
-    session ``b``'s own cache layer, and attention gets each row's layer back."""
+    """The cache object a packed forward sees: row ``b``'s keys and values go to session ``b``'s
+    own cache layer, and attention gets each row's layer back."""
 
     is_compileable = False
 
-    def __init__(self, caches: list):
-        self.caches = caches
-        self.layers = caches[0].layers  # layer kinds, for code that inspects them (all sessions share them)
+    def __init__(self, rows: list[Row]):
+        self.rows = rows
+        self.layers = rows[0].session.cache.layers  # layer kinds, for code that inspects them
+        self.spans, start = [], 0
+        for row in rows:
+            self.spans.append((start, start + len(row.tokens)))
+            start += len(row.tokens)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        keys, values = RaggedKV(), RaggedKV()
-        for b, cache in enumerate(self.caches):  # key_states: [B, H_kv, 1, D]
-            k, v = cache.layers[layer_idx].update(key_states[b : b + 1], value_states[b : b + 1])
+        masks, captures = [], [row.capture for row in self.rows]
+        keys, values = RaggedKV(self.spans, masks, captures), RaggedKV(self.spans)
+        for row, (start, end) in zip(self.rows, self.spans, strict=True):  # key_states: [1, H_kv, T, D]
+            layer = row.session.cache.layers[layer_idx]
+            k, v = layer.update(key_states[:, :, start:end], value_states[:, :, start:end])
             keys.append(k)
             values.append(v)
+            masks.append(_mask(end - start, k.shape[-2], layer, k.device))
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        raise NotImplementedError("a batch has one length per row: pass position_ids")
+        raise NotImplementedError("a packed step has one length per row: pass position_ids")
+
+
+def _mask(q: int, k: int, layer, device) -> torch.Tensor | None:
+    """``[1, 1, q, k]`` (True = attend) for ``q`` new tokens that are the last ``q`` of ``k`` rows:
+    causal, and on a sliding layer within its window. None for one token (it sees every row)."""
+    if q == 1:
+        return None
+    i = torch.arange(q, device=device).unsqueeze(1) + (k - q)  # each query's row index
+    j = torch.arange(k, device=device).unsqueeze(0)
+    visible = j <= i
+    if isinstance(layer, SlidingLayer):
+        visible &= j > i - layer.sliding_window
+    return visible[None, None]
 
 
 def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values: RaggedKV, **kwargs):
-    """``attend`` (an attention function) row by row; query ``[B, H, 1, D]`` -> ``[B, 1, H, D]``."""
-    outputs = [attend(module, query[b : b + 1], keys[b], values[b], None, **kwargs)[0] for b in range(len(keys))]
-    return torch.cat(outputs, dim=0), None
+    """``attend`` (an attention function) row by row; query ``[1, H, T, D]`` -> ``[1, T, H, D]``."""
+    outputs = []
+    layer_idx = getattr(module, "layer_idx", None)
+    for b, (start, end) in enumerate(keys.spans):
+        q = query[:, :, start:end]
+        capture = keys.captures[b]
+        if capture is not None and layer_idx in capture.layers:
+            capture.add(layer_idx, q, kwargs.get("scaling"))
+        outputs.append(attend(module, q, keys[b], values[b], keys.masks[b], **kwargs)[0])
+    return torch.cat(outputs, dim=1), None
 
 
-def batch_inputs(sessions: list[Session], device) -> dict:
-    """The forward's inputs for one decode step: each session's pending token at its own position."""
-    for s in sessions:
-        if len(s.pending) != 1:
-            raise ValueError(f"session {s.session_id} has {len(s.pending)} pending tokens; a decode step feeds one")
-    ids = torch.tensor([s.pending for s in sessions], dtype=torch.long, device=device)  # [B, 1]
-    positions = torch.tensor([[s.logical_len] for s in sessions], dtype=torch.long, device=device)  # [B, 1]
+def packed_inputs(rows: list[Row], device) -> dict:
+    """The forward's inputs for one packed step: every row's tokens at its own positions."""
+    ids, positions = [], []
+    for row in rows:
+        ids += row.tokens
+        positions += range(row.session.logical_len, row.session.logical_len + len(row.tokens))
     return {
-        "input_ids": ids,
-        "position_ids": positions,
-        "cache": BatchCache([s.cache for s in sessions]),
+        "input_ids": torch.tensor([ids], dtype=torch.long, device=device),  # [1, T]
+        "position_ids": torch.tensor([positions], dtype=torch.long, device=device),  # [1, T]
+        "cache": BatchCache(rows),
         "attention_mask": _NO_MASK.to(device),
         "use_cache": True,
     }

@@ -6,8 +6,8 @@ registers its own attention implementation with transformers ("kvsnap"): plain
 SDPA, except that while a :class:`WindowCapture` is active it keeps the last
 ``window`` query rows of the layers it was asked for. Prefill may run in chunks;
 the capture keeps a rolling tail across them. Eager attention for the whole
-prompt is never needed. The same function runs a batched decode step's attention row by row
-(:mod:`.batch`).
+prompt is never needed. The same function runs a packed step's attention row by row
+(:mod:`.batch`), where each row brings its own capture.
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ class WindowCapture:
 
 
 def _capturing_sdpa(module, query, key, value, attention_mask, **kwargs):
+    if isinstance(key, RaggedKV):  # a packed step: each row on its own session's rows, its own capture
+        return ragged_attention(sdpa_attention_forward, module, query, key, value, **kwargs)
     capture = _active.get()
     if capture is not None and getattr(module, "layer_idx", None) in capture.layers:
         capture.add(module.layer_idx, query, kwargs.get("scaling"))
-    if isinstance(key, RaggedKV):  # a batched decode step: each row on its own session's rows
-        return ragged_attention(sdpa_attention_forward, module, query, key, value, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -26,7 +26,7 @@ import torch
 from kvsnap.errors import InvalidArgument
 from kvsnap.policies import Policy, gather_rows, make_policy, step_attention, window_attention
 
-from .batch import batch_inputs
+from .batch import Row, packed_inputs
 from .cache import CompressedLayer, full_layer_indices, new_session_cache
 from .capture import WindowCapture
 from .detok import Detokenizer
@@ -167,23 +167,25 @@ class Engine:
         if job.decoder is not None:
             session.decoding = self._start_decoding(session, job.decoder, captured)
 
-    def _forward(self, session: Session, new: list[int]) -> torch.Tensor:
-        """Run ``new`` through the model in chunks on the session cache; logits of the last position."""
-        ids = torch.tensor([new], dtype=torch.long, device=self.device)
-        logits = None
+    def _forward(self, session: Session, new: list[int], capture: WindowCapture | None = None) -> torch.Tensor:
+        """Run ``new`` through the model in chunks on the session cache (``capture`` keeps their
+        queries); logits of the last position [V]."""
         for start in range(0, len(new), self.prefill_chunk):
-            chunk = ids[:, start : start + self.prefill_chunk]
-            positions = torch.arange(session.logical_len, session.logical_len + chunk.shape[1], device=self.device)
-            out = self.model(
-                input_ids=chunk,
-                position_ids=positions.unsqueeze(0),
-                cache=session.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            session.logical_len += chunk.shape[1]
-            logits = out.logits[0, -1]
-        return logits.float()
+            logits = self.step([Row(session, new[start : start + self.prefill_chunk], capture)])[0]
+        return logits
+
+    @torch.inference_mode()
+    def step(self, rows: list[Row]) -> torch.Tensor:
+        """One packed forward over every row's new tokens (each on its own session's cache,
+        :mod:`.batch`); each session's ``logical_len`` advances by its tokens. Returns the
+        next-token logits of each row's last token ``[B, V]``."""
+        hidden = self.model.base_model(**packed_inputs(rows, self.device)).last_hidden_state[0]  # [T, D]
+        ends, end = [], 0
+        for row in rows:
+            end += len(row.tokens)
+            ends.append(end - 1)
+            row.session.logical_len += len(row.tokens)
+        return self._lm_head(hidden[ends])
 
     def _compress(self, session: Session, captured: WindowCapture, window: int) -> None:
         """Apply the session policy to every full-attention layer (the window = this turn's tail)."""
@@ -243,29 +245,36 @@ class Engine:
                 positions = decoder.keep(state, layer.kept_len, room).to(layer.keys.device)
                 layer.keep(positions.expand(layer.keys.shape[0], layer.keys.shape[1], -1))
 
-    @torch.inference_mode()
     def decode_step(self, sessions: list[Session]) -> torch.Tensor:
-        """Feed every session its pending token in one batched forward (each row on its own cache,
-        :mod:`.batch`); returns next-token logits ``[B, V]``. A session with a decode-time evictor
-        makes room first and lets it see this step's attention (its own row's query)."""
-        observed = []
-        for row, session in enumerate(sessions):
-            decoder = session.policy.decoder()
-            if decoder is not None:
-                self._make_room(session, decoder, 1)
-                if decoder.needs_attention:
-                    observed.append((row, session, decoder))
-        layers = {idx for _, session, _ in observed for idx in session.decoding}
-        with WindowCapture(1, layers) as captured:
-            hidden = self.model.base_model(**batch_inputs(sessions, self.device)).last_hidden_state[:, -1]
-        for session in sessions:
-            session.logical_len += 1
-        for row, session, decoder in observed:
-            for idx, state in session.decoding.items():
-                query = captured.queries[idx][row : row + 1]  # [1, H, 1, D]: this session's row only
-                attn = step_attention(query, session.cache.layers[idx].keys, captured.scales.get(idx))
-                decoder.observe(state, attn)  # attn: [1, H_kv, rows]
-        return self._lm_head(hidden)
+        """Feed every session its pending token in one packed forward; next-token logits ``[B, V]``."""
+        rows = [self.decode_row(session) for session in sessions]
+        logits = self.step(rows)
+        for row in rows:
+            self.after_decode(row)
+        return logits
+
+    def decode_row(self, session: Session) -> Row:
+        """A session's row in a decode step: its pending token. A decode-time evictor makes room
+        first, and gets a capture of this step's query when it scores by attention."""
+        if len(session.pending) != 1:
+            raise InvalidArgument(f"a decode step feeds one pending token; the session has {len(session.pending)}")
+        decoder = session.policy.decoder()
+        capture = None
+        if decoder is not None:
+            self._make_room(session, decoder, 1)
+            if decoder.needs_attention:
+                capture = WindowCapture(1, set(session.decoding))
+        return Row(session, session.pending, capture)
+
+    def after_decode(self, row: Row) -> None:
+        """Let a decode-time evictor see the step's attention over its session's rows."""
+        if row.capture is None:
+            return
+        session, decoder = row.session, row.session.policy.decoder()
+        for idx, state in session.decoding.items():
+            query = row.capture.queries[idx]  # [1, H, 1, D]
+            attn = step_attention(query, session.cache.layers[idx].keys, row.capture.scales.get(idx))
+            decoder.observe(state, attn)  # attn: [1, H_kv, rows]
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``[B, V]`` of last hidden states ``[B, D]``, computed as ``W @ h^T``:

@@ -18,6 +18,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k cut
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False  # keep generating after an end-of-sequence token (fixed-length load tests)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -34,6 +35,8 @@ class SamplingParams:
             raise InvalidArgument(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidArgument(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidArgument(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise InvalidArgument("stop strings must be non-empty strings")

@@ -3,11 +3,13 @@
 Each step (nano-vllm / vLLM style iteration-level scheduling):
 
     admit    waiting turns join the batch while fewer than ``max_batch`` run (first come, first in)
-    prefill  the next prompt chunk of turns still prefilling, oldest first, while the step's token
-             budget lasts (at least one chunk a step): a long document holds the running sessions
-             up for one chunk per step, never for its whole prompt
-    decode   one batched forward feeds every decoding turn its pending token, each on its own
-             cache (:meth:`Engine.decode_step`); each turn samples from its own row
+    rows     the next prompt chunk of turns still prefilling, oldest first, while the step's token
+             budget lasts (at least one chunk a step), and every decoding turn's pending token
+    forward  one packed forward over all the rows, each on its own session's cache
+             (:meth:`Engine.step`, engine/batch.py): a long document holds the running sessions
+             up for one chunk per step, never for its whole prompt, and short prompts (follow-up
+             questions) ride along with the decode rows almost for free
+    sample   each turn samples from its own row; prompts that ended compress their session
     hand out each new token (and its text) goes to the turn's consumer; turns that ended leave
 
 A turn's chunks are cut the same way alone and in a batch (every ``chunk`` tokens from its
@@ -176,30 +178,59 @@ class Scheduler:
     def _step(self) -> None:
         for job in [j for j in self._running if j.cancelled.is_set() and not _mid_prompt(j.turn)]:
             self._end(job)
-        tokens = 0
         with self.lock:
-            for job in [j for j in self._running if j.turn.prefilling]:
-                n = job.turn.next_chunk(self.chunk)
-                if tokens and tokens + n > self.step_tokens:
-                    break
-                tokens += n
-                self._run(job, job.turn.prefill_step, self.chunk)
-            decoding = [j for j in self._running if j.turn.decoding and not j.cancelled.is_set()]
-            if decoding:
-                try:
-                    logits = self.engine.decode_step([j.turn.session for j in decoding])
-                except BaseException as exc:  # noqa: BLE001 - those caches are not trusted any more
-                    for job in decoding:
-                        self._fail(job, exc)
-                    decoding = []
-                for row, job in enumerate(decoding):
-                    self._run(job, job.turn.accept, logits[row])
-        self._count(len(decoding), tokens + len(decoding))
+            rows, owners = self._rows()
+            if not rows:
+                return
+            t0 = time.perf_counter()
+            try:
+                logits = self.engine.step(rows)
+            except BaseException as exc:  # noqa: BLE001 - those caches are not trusted any more
+                for job, _ in owners:
+                    self._fail(job, exc)
+                return
+            elapsed = time.perf_counter() - t0
+            for b, (job, prefilling) in enumerate(owners):
+                if prefilling:
+                    self._run(job, job.turn.prefill_done, rows[b], logits[b], elapsed)
+                else:
+                    self._run(job, self._decoded, job, rows[b], logits[b])
+        self._count(sum(not p for _, p in owners), sum(len(r.tokens) for r in rows))
 
-    def _run(self, job: Job, step, arg) -> None:
+    def _rows(self) -> tuple[list, list]:
+        """This step's rows: prompt chunks of prefilling turns, oldest first, while the budget
+        lasts (one chunk at least), then every decoding turn's pending token."""
+        rows, owners, budget = [], [], 0
+        for job in [j for j in self._running if j.turn.prefilling]:
+            n = job.turn.next_chunk(self.chunk)
+            if budget and budget + n > self.step_tokens:
+                break
+            budget += n
+            if (row := self._call(job, job.turn.prefill_row, self.chunk)) is not None:
+                rows.append(row)
+                owners.append((job, True))
+        for job in [j for j in self._running if j.turn.decoding and not j.cancelled.is_set()]:
+            if (row := self._call(job, self.engine.decode_row, job.turn.session)) is not None:
+                rows.append(row)
+                owners.append((job, False))
+        return rows, owners
+
+    def _decoded(self, job: Job, row, logits) -> int | None:
+        self.engine.after_decode(row)
+        return job.turn.accept(logits)
+
+    def _call(self, job: Job, fn, *args):
+        """``fn(*args)`` for ``job``; an error ends that job alone (None is returned)."""
+        try:
+            return fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - the turn's own error, handed to its consumer
+            self._fail(job, exc)
+            return None
+
+    def _run(self, job: Job, step, *args) -> None:
         """One of ``job``'s steps; its token goes out, its error ends it alone."""
         try:
-            token = step(arg)
+            token = step(*args)
         except BaseException as exc:  # noqa: BLE001 - the turn's own error, handed to its consumer
             self._fail(job, exc)
             return

@@ -6,9 +6,10 @@ and runs one decode step for all of them). The turn owns everything that is one 
 own: its prompt's chunks and compression, its sampling (temperature, top-p/top-k, seed), its
 stop strings and token limit, its timings and its mark in the session's log.
 
-    prefill_step(chunk)  # repeat while ``prefilling``: run the next chunk of the prompt; the last
-                         # one compresses and samples the first token
+    prefill_row(chunk)   # while ``prefilling``: the next chunk of the prompt, a row of a packed
+    prefill_done(...)    # step; after the last one it compresses and samples the first token
     accept(logits)       # after each decode step: sample the next token, or end the turn
+    (prefill_step runs one chunk alone)
     finish()             # once, also when cut short: the turn's mark and report
 """
 
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .batch import Row
 from .cache import full_layer_indices
 from .capture import WindowCapture
 from .detok import Detokenizer
@@ -60,19 +62,25 @@ class Prefill:
     def remaining(self) -> int:
         return len(self.new) - self.done
 
-    @torch.inference_mode()
-    def step(self, chunk: int) -> torch.Tensor | None:
-        """Run the next ``chunk`` tokens; after the last ones, compress and return next-token logits [V]."""
-        n = min(chunk, self.remaining)
-        t0 = time.perf_counter()
-        with self.capture:
-            logits = self.engine._forward(self.session, self.new[self.done : self.done + n])
-        self.timer.prefill_s += time.perf_counter() - t0
+    def row(self, chunk: int) -> Row:
+        """The next ``chunk`` tokens as a row of a packed step (its queries go to the capture)."""
+        return Row(self.session, self.new[self.done : self.done + chunk], self.capture)
+
+    def advance(self, n: int, logits: torch.Tensor, elapsed_s: float) -> torch.Tensor | None:
+        """``n`` tokens went onto the cache; after the last ones, compress and return next-token logits [V]."""
         self.done += n
+        self.timer.prefill_s += elapsed_s
         if self.remaining:
             return None
         self.engine._after_prefill(self)
         return logits
+
+    def step(self, chunk: int) -> torch.Tensor | None:
+        """Run the next ``chunk`` tokens alone; after the last ones, the next-token logits [V]."""
+        row = self.row(chunk)
+        t0 = time.perf_counter()
+        logits = self.engine.step([row])[0]
+        return self.advance(len(row.tokens), logits, time.perf_counter() - t0)
 
 
 class Turn:
@@ -108,12 +116,23 @@ class Turn:
         return min(chunk, remaining)
 
     def prefill_step(self, chunk: int) -> int | None:
-        """Run the next prompt chunk; after the last one, the first generated token (None when
-        nothing was generated: a prefill-only turn, or EOS at once)."""
+        """Run the next prompt chunk alone; after the last one, the first generated token (None
+        when nothing was generated: a prefill-only turn, or EOS at once)."""
+        row = self.prefill_row(chunk)
+        t0 = time.perf_counter()
+        logits = self.engine.step([row])[0]
+        return self.prefill_done(row, logits, time.perf_counter() - t0)
+
+    def prefill_row(self, chunk: int) -> Row:
+        """The next prompt chunk as a row of a packed step (the first one starts the prefill)."""
         if self.prefill is None:
             self.started = time.perf_counter()
             self.prefill = Prefill(self.engine, self.session, self.tokens, self.timer)
-        logits = self.prefill.step(chunk)
+        return self.prefill.row(chunk)
+
+    def prefill_done(self, row: Row, logits: torch.Tensor, elapsed_s: float) -> int | None:
+        """``row`` ran (its logits [V]); after the prompt's last chunk, sample the first token."""
+        logits = self.prefill.advance(len(row.tokens), logits, elapsed_s)
         if logits is None:
             return None
         self.decode_started = time.perf_counter()
@@ -126,7 +145,7 @@ class Turn:
         """Sample the next token from ``logits`` [V]; it joins the transcript (pending until the
         next decode step feeds it). Returns it, or None when the turn ended on EOS."""
         token = sample_next(logits, self.sampling, self.generator)
-        if token in self.engine.eos_ids:  # EOS ends the answer and is not kept in the transcript
+        if token in self.engine.eos_ids and not self.sampling.ignore_eos:  # EOS ends the answer, not kept
             self.finish_reason, self.done = "stop", True
             return None
         session = self.session

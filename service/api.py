@@ -114,6 +114,7 @@ class SessionAPI:
             top_k=fields.get("top_k") or 0,
             seed=fields.get("seed"),
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            ignore_eos=bool(fields.get("ignore_eos")),
         )
 
     def tokens(self, messages: list[dict], first: bool) -> list[int]:

@@ -52,6 +52,7 @@ def _sampling(msg) -> dict:
         "top_k": msg.top_k or None,
         "seed": msg.seed if msg.HasField("seed") else None,
         "stop": list(msg.stop) or None,
+        "ignore_eos": msg.ignore_eos,
     }
 
 

@@ -55,6 +55,9 @@ class SamplingFields(BaseModel):
         description="stop strings; unset: the template's turn marker '\\nUser:' for templated turns, none for "
         "raw ones; [] for none. The text returned and logged ends before the stop string",
     )
+    ignore_eos: bool | None = Field(
+        None, description="keep generating after the end-of-sequence token, up to max_tokens (fixed-length load tests)"
+    )
 
     @field_validator("temperature", "top_p")
     @classmethod

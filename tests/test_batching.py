@@ -250,3 +250,15 @@ def test_gemma_sessions_in_a_batch_match_their_runs_alone(gemma_engine):
         alone = engine.new_session(make(), recompress)
         assert list(job) == engine.turn(alone, doc, sampling).tokens, policy
         assert_same_cache(session, alone, tol=1e-4)
+
+
+def test_ignore_eos_keeps_generating_to_the_limit(llama_engine, monkeypatch):
+    """Fixed-length answers (load tests): an end-of-sequence token does not end the turn."""
+    engine = llama_engine
+    doc = random_tokens(30, seed=5)
+    first = engine.turn(engine.new_session("full"), doc, SamplingParams(max_new_tokens=3)).tokens[0]
+    monkeypatch.setattr(engine, "eos_ids", {first})  # the first answer token is now an EOS
+    ended = engine.turn(engine.new_session("full"), doc, SamplingParams(max_new_tokens=8))
+    assert ended.tokens == [] and ended.finish_reason == "stop"
+    fixed = engine.turn(engine.new_session("full"), doc, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert len(fixed.tokens) == 8 and fixed.tokens[0] == first and fixed.finish_reason == "length"

@@ -76,8 +76,8 @@ def test_follow_up_keeps_exactly_snapkv_over_the_full_cache(model):
 
     # direct computation: this turn's window queries (on the cache as it was), SnapKV over every row
     new = before.pending + question
-    with WindowCapture(POLICY.window, set(layers)) as captured:
-        engine._forward(before, new)
+    captured = WindowCapture(POLICY.window, set(layers))
+    engine._forward(before, new, captured)
     for idx in layers:
         appended = before.cache.layers[idx].keys[:, :, before.full_len - before.logical_len :]  # answer + new
         all_keys = torch.cat([before.full_kv[idx][0], appended], dim=-2)  # [1, H_kv, L, D]

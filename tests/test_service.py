@@ -685,6 +685,11 @@ def test_a_raw_grpc_turn_sends_the_message_verbatim(service):
     templated = list(stub.Turn(pb2.TurnRequest(session_id="grpc-raw", message=message), metadata=md()))[-1]
     # prefilled: the message's tokens and the previous answer's pending one; the template adds its own
     assert raw.prompt_tokens < templated.prompt_tokens
+    sampling = pb2.Sampling(max_tokens=25, ignore_eos=True)  # a fixed-length answer (load tests)
+    fixed = list(
+        stub.Turn(pb2.TurnRequest(session_id="grpc-raw", message=message, raw=True, sampling=sampling), metadata=md())
+    )
+    assert fixed[-1].completion_tokens == 25 and fixed[-1].finish_reason == "length"
 
 
 def test_admin_routes_are_off_without_admin_keys():

@@ -167,12 +167,13 @@ class GrpcClient:
             return Sample("open", exc.code().name, time.perf_counter() - t0)
         return Sample("open", "OK", time.perf_counter() - t0, logical_len=state.logical_len)
 
-    def turn(self, sid: str, message: str, max_tokens: int) -> Sample:
+    def turn(self, sid: str, message: str, max_tokens: int, fixed_length: bool = False) -> Sample:
+        """``fixed_length``: exactly ``max_tokens`` tokens (no end-of-sequence stop, a raw turn
+        with no stop string), as throughput benchmarks need."""
         t0 = time.perf_counter()
         ttft, tokens, last, previous, gaps = 0.0, 0, None, 0.0, []
-        request = self.pb2.TurnRequest(
-            session_id=sid, message=message, sampling=self.pb2.Sampling(max_tokens=max_tokens, temperature=0)
-        )
+        sampling = self.pb2.Sampling(max_tokens=max_tokens, temperature=0, ignore_eos=fixed_length)
+        request = self.pb2.TurnRequest(session_id=sid, message=message, sampling=sampling, raw=fixed_length)
         try:
             for chunk in self.stub.Turn(request, metadata=self.md, timeout=self.timeout_s):
                 if chunk.done:
