@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 _END = object()
 
 
-async def _threaded(events: Iterator[dict]) -> AsyncIterator[list[dict]]:
+async def _threaded(events: Iterator[dict], on_cancel=None) -> AsyncIterator[list[dict]]:
     """``events`` (a sync generator doing model work) as an async generator of batches.
 
     One thread per turn iterates ``events`` from start to end (the worker takes its locks in
@@ -49,8 +49,9 @@ async def _threaded(events: Iterator[dict]) -> AsyncIterator[list[dict]]:
     item over. Each batch is every item that is ready when the consumer asks: one token while
     the model is slower than the hop back to the ingress (the first token never waits), several
     when it is faster, so a fast model does not pay one Ray round trip per token. When the
-    consumer is cancelled or stops (client gone), the thread stops after the token in flight
-    and closes ``events``: the worker commits what was generated."""
+    consumer is cancelled or stops (client gone), ``on_cancel`` stops the turn at once (also one
+    still waiting for a place in the batch), the thread stops after the token in flight and
+    closes ``events``: the worker commits what was generated."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     stop = threading.Event()
@@ -90,6 +91,8 @@ async def _threaded(events: Iterator[dict]) -> AsyncIterator[list[dict]]:
                 return
     finally:
         stop.set()
+        if on_cancel is not None:
+            on_cancel()
 
 
 class WorkerReplica:
@@ -128,12 +131,18 @@ class WorkerReplica:
 
     async def turn(self, req: TurnRequest):
         """Stream one turn (a new session's first one too) as batches of events."""
-        async for batch in _threaded(self._events(req)):
+        started: dict = {}  # the worker's stream, once the turn's thread has made it
+
+        def cancel() -> None:
+            if (stream := started.get("stream")) is not None and stream.cancel is not None:
+                stream.cancel()
+
+        async for batch in _threaded(self._events(req, started), cancel):
             yield batch
 
     def turn_once(self, req: TurnRequest) -> list[dict]:
         """A non-streaming request: the whole turn in one Ray round trip instead of one per token."""
-        return list(self._events(req))
+        return list(self._events(req, {}))
 
     def state(self, tenant: str, session_id: str) -> dict:
         return asdict(self.worker.state(tenant, session_id))
@@ -154,10 +163,10 @@ class WorkerReplica:
     def stats(self) -> dict:
         return self.worker.stats()
 
-    def _events(self, req: TurnRequest):
+    def _events(self, req: TurnRequest, started: dict):
         """``{"t": token, "d": text delta}`` per token (the text detokenized once, here), then the
         end: the rest of the text, the answer's whole text (cut at a stop string), the report."""
-        stream = self.worker.stream(req)
+        stream = started["stream"] = self.worker.stream(req)
         detok = stream.detok
         self.ongoing += 1
         try:
@@ -168,6 +177,8 @@ class WorkerReplica:
                 stream.close()  # client gone: stop generating; the worker commits what was generated
             finally:
                 self.ongoing -= 1
+        if stream.report is None:  # cancelled before it ran (its client is gone): nothing to report
+            return
         entry = self.worker.held.get(req.key)
         yield {
             "done": True,

@@ -92,7 +92,7 @@ class Worker:
                     session, source = self.sessions.load(req.key, entry)
             turn = self.engine.start(session, self._unmarked(req, session), req.sampling)
         job = self.scheduler.job(turn)  # submitted when the stream is first iterated
-        out = TurnStream(source=source, on_close=claim.release, detok=job)
+        out = TurnStream(source=source, on_close=claim.release, detok=job, cancel=job.cancel)
         out.tokens = self._run(claim, req, entry, session, job, out)
         return out
 
@@ -158,17 +158,24 @@ class Worker:
             except GeneratorExit:  # the client went away: keep what was generated
                 job.cancel()
                 job.wait()
-                if job.error is None:
-                    self._finish(req, entry, session, job, out)
-                else:
-                    self._discard(req, out)
+                self._settle(req, entry, session, job, out)
                 raise
             except BaseException:  # the turn broke half way: its KV is not trusted, the log is
                 job.cancel()
                 job.wait()
                 self._discard(req, out)
                 raise
+            self._settle(req, entry, session, job, out)
+
+    def _settle(self, req: TurnRequest, entry: SessionEntry, session: Session, job: Job, out) -> None:
+        """Commit what the turn did. One cancelled before it left the queue changed nothing (a new
+        session it was to open is not kept)."""
+        if job.error is not None:
+            self._discard(req, out)
+        elif job.turn.prefill is not None:
             self._finish(req, entry, session, job, out)
+        elif out.source == "new":
+            self._discard(req, out)
 
     def _discard(self, req: TurnRequest, out: TurnStream) -> None:
         self.sessions.forget(req.key)

@@ -10,8 +10,8 @@ A turn reads like a recipe: prefill the new tokens onto the cache (true RoPE
 positions), compress the full-attention layers with the session's policy, then
 decode, streaming token ids. Generated tokens stay in the transcript for the next turn.
 The turn itself is a :class:`~.turn.Turn` (its steps); here it runs alone, one decode step
-of one row per token. ``engine/scheduler.py`` runs many turns' steps together, and
-:meth:`Engine.decode_step` is the one decode step both use.
+of one row per token. ``engine/scheduler.py`` runs many turns' steps together; both run
+:meth:`Engine.step`, one packed forward over any number of sessions' rows (engine/batch.py).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class TurnStream:
     report: TurnReport | None = None
     source: str = ""  # set by a worker: where the KV came from (device / host / disk / rebuilt / new)
     on_close: Callable[[], None] | None = None  # set by a worker: give the session back (idempotent)
+    cancel: Callable[[], None] | None = None  # set by a worker: stop the turn from any thread (client gone)
     detok: Detokenizer | None = None  # the answer's text as it grows, cut at the first stop string
 
     def __iter__(self) -> Iterator[int]:
@@ -150,6 +151,7 @@ class Engine:
             pass
         return logits
 
+    @torch.inference_mode()
     def _after_prefill(self, job: Prefill) -> None:
         """The prompt is on the cache: compress it with the session's policy (or re-select from
         its full copy) and start decode-time eviction."""
@@ -245,6 +247,7 @@ class Engine:
                 positions = decoder.keep(state, layer.kept_len, room).to(layer.keys.device)
                 layer.keep(positions.expand(layer.keys.shape[0], layer.keys.shape[1], -1))
 
+    @torch.inference_mode()
     def decode_step(self, sessions: list[Session]) -> torch.Tensor:
         """Feed every session its pending token in one packed forward; next-token logits ``[B, V]``."""
         rows = [self.decode_row(session) for session in sessions]
@@ -253,6 +256,7 @@ class Engine:
             self.after_decode(row)
         return logits
 
+    @torch.inference_mode()
     def decode_row(self, session: Session) -> Row:
         """A session's row in a decode step: its pending token. A decode-time evictor makes room
         first, and gets a capture of this step's query when it scores by attention."""
@@ -266,6 +270,7 @@ class Engine:
                 capture = WindowCapture(1, set(session.decoding))
         return Row(session, session.pending, capture)
 
+    @torch.inference_mode()
     def after_decode(self, row: Row) -> None:
         """Let a decode-time evictor see the step's attention over its session's rows."""
         if row.capture is None:

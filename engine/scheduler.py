@@ -170,6 +170,9 @@ class Scheduler:
         return True
 
     def _admit(self) -> None:
+        for job in [j for j in self._waiting if j.cancelled.is_set()]:  # gone before they started
+            self._waiting.remove(job)
+            self._leave(job, "")
         while self._waiting and len(self._running) < self.max_batch:
             job = self._waiting.popleft()
             job.queue_s = time.perf_counter() - job.submitted

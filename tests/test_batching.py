@@ -262,3 +262,19 @@ def test_ignore_eos_keeps_generating_to_the_limit(llama_engine, monkeypatch):
     assert ended.tokens == [] and ended.finish_reason == "stop"
     fixed = engine.turn(engine.new_session("full"), doc, SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert len(fixed.tokens) == 8 and fixed.tokens[0] == first and fixed.finish_reason == "length"
+
+
+def test_a_turn_cancelled_while_waiting_leaves_the_queue_at_once(llama_engine):
+    """A client that goes away while its turn waits for a place in a full batch is not kept
+    waiting for the batch: its turn leaves the queue at the next step, never having run."""
+    engine = llama_engine
+    scheduler = Scheduler(engine, threading.RLock(), max_batch=1, start=False)
+    running = scheduler.submit(engine.start(engine.new_session("full"), random_tokens(20, seed=1), GREEDY))
+    session = engine.new_session("full")
+    waiting = scheduler.submit(engine.start(session, random_tokens(20, seed=2), GREEDY))
+    scheduler.run_step()
+    waiting.cancel()
+    scheduler.run_step()
+    assert waiting.ended.is_set() and list(waiting) == [] and waiting.turn.report is None
+    assert session.logical_len == 0 and session.transcript == []  # it never ran
+    assert not running.ended.is_set()
