@@ -49,9 +49,10 @@ async def _threaded(events: Iterator[dict], on_cancel=None) -> AsyncIterator[lis
     item over. Each batch is every item that is ready when the consumer asks: one token while
     the model is slower than the hop back to the ingress (the first token never waits), several
     when it is faster, so a fast model does not pay one Ray round trip per token. When the
-    consumer is cancelled or stops (client gone), ``on_cancel`` stops the turn at once (also one
-    still waiting for a place in the batch), the thread stops after the token in flight and
-    closes ``events``: the worker commits what was generated."""
+    consumer is cancelled or stops (client gone), ``on_cancel`` stops the turn at the next step
+    (one still waiting for a place in the batch leaves the queue; one in the middle of its
+    prompt finishes the prompt first), the thread stops after the token in flight and closes
+    ``events``: the worker commits what was generated."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     stop = threading.Event()
@@ -129,11 +130,17 @@ class WorkerReplica:
             "ongoing": self.ongoing,
         }
 
+    def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose scheduler thread died is replaced."""
+        if not self.worker.scheduler.alive:
+            raise RuntimeError(f"worker {self.worker_id}: the batch scheduler thread is not running")
+
     async def turn(self, req: TurnRequest):
         """Stream one turn (a new session's first one too) as batches of events."""
         started: dict = {}  # the worker's stream, once the turn's thread has made it
 
         def cancel() -> None:
+            started["cancelled"] = True  # seen by _events if the stream is not made yet
             if (stream := started.get("stream")) is not None and stream.cancel is not None:
                 stream.cancel()
 
@@ -164,9 +171,12 @@ class WorkerReplica:
         return self.worker.stats()
 
     def _events(self, req: TurnRequest, started: dict):
-        """``{"t": token, "d": text delta}`` per token (the text detokenized once, here), then the
-        end: the rest of the text, the answer's whole text (cut at a stop string), the report."""
+        """``{"t": token, "d": text delta}`` per token (the text detokenized once, by the worker's
+        scheduler), then the end: the rest of the text, the answer's whole text (cut at a stop
+        string), the report."""
         stream = started["stream"] = self.worker.stream(req)
+        if started.get("cancelled") and stream.cancel is not None:  # the client left during the load
+            stream.cancel()
         detok = stream.detok
         self.ongoing += 1
         try:

@@ -73,6 +73,7 @@ class SessionStore:
         self.held: dict[str, Held] = {}
         self.counters: Counter = Counter()  # rebuilds, tier hits, imports, offline turns, resyncs, conflicts
         self.lock = threading.RLock()  # the held map and the tiers
+        self.model_lock = threading.RLock()  # the model's (the worker's): a rebuild runs it between batch steps
         self._busy: dict[str, Claim] = {}  # sessions with a turn in progress
         self._busy_lock = threading.Lock()
 
@@ -189,7 +190,8 @@ class SessionStore:
                 f"token log of {entry.session_id!r} has {len(transcript)} tokens, expected {entry.log_len}; retry"
             )
         if transcript:
-            self.engine.rebuild(session, transcript, entry.logical_len or len(transcript), marks)
+            with self.model_lock:
+                self.engine.rebuild(session, transcript, entry.logical_len or len(transcript), marks)
 
     def _log(self, entry: SessionEntry) -> tuple[list[int], list[TurnMark]]:
         """The session's token log and turn marks, from the directory."""

@@ -53,6 +53,7 @@ class Worker:
         self.worker_id = self.sessions.worker_id
         self.directory, self.store, self.counters = directory, store, self.sessions.counters
         self._model = threading.RLock()  # the model: held by the scheduler for each step, and by rebuilds
+        self.sessions.model_lock = self._model
         self.scheduler = Scheduler(engine, self._model, max_batch=max_batch, step_tokens=step_tokens)
         self._stop = threading.Event()
         self.draining = False
@@ -88,8 +89,7 @@ class Worker:
                         f"session {req.session_id!r} changed since this turn was built on it "
                         f"(version {entry.version}, expected {req.expected_version})"
                     )
-                with self._model:  # a rebuild runs the model
-                    session, source = self.sessions.load(req.key, entry)
+                session, source = self.sessions.load(req.key, entry)  # a rebuild takes the model between steps
             turn = self.engine.start(session, self._unmarked(req, session), req.sampling)
         job = self.scheduler.job(turn)  # submitted when the stream is first iterated
         out = TurnStream(source=source, on_close=claim.release, detok=job, cancel=job.cancel)
@@ -233,9 +233,11 @@ class Worker:
         if self._resume is not None:
             self._resume.cancel()
             self._resume = None
-        self.sessions.wait_idle(DRAIN_WAIT_S)  # the turns in progress end and commit first
-        with self._model:
-            exported = self.sessions.export_all()
+        if not self.sessions.wait_idle(DRAIN_WAIT_S):  # the turns in progress end and commit first
+            log.warning(
+                "worker %s: turns still running after %.0f s of drain; exporting anyway", self.worker_id, DRAIN_WAIT_S
+            )
+        exported = self.sessions.export_all()
         log.info("worker %s drained: %d sessions exported", self.worker_id, exported)
         if resume_after_s is not None:
             self._resume = threading.Timer(resume_after_s, self._end_drain)

@@ -3,16 +3,13 @@
 SnapKV needs the post-RoPE queries of the last ``window`` prompt tokens at every
 full-attention layer. Rather than re-deriving them per architecture, kvsnap
 registers its own attention implementation with transformers ("kvsnap"): plain
-SDPA, except that while a :class:`WindowCapture` is active it keeps the last
-``window`` query rows of the layers it was asked for. Prefill may run in chunks;
-the capture keeps a rolling tail across them. Eager attention for the whole
-prompt is never needed. The same function runs a packed step's attention row by row
-(:mod:`.batch`), where each row brings its own capture.
+SDPA, except in a packed step (:mod:`.batch`), where it runs row by row on each row's own
+session and a row that brings a :class:`WindowCapture` has it keep the last ``window`` query
+rows of the layers it was asked for. Prefill may run in chunks; the capture keeps a rolling
+tail across them. Eager attention for the whole prompt is never needed.
 """
 
 from __future__ import annotations
-
-import contextvars
 
 import torch
 from transformers import AttentionInterface
@@ -23,20 +20,17 @@ from .batch import RaggedKV, ragged_attention
 
 ATTN_IMPLEMENTATION = "kvsnap"
 
-_active: contextvars.ContextVar[WindowCapture | None] = contextvars.ContextVar("kvsnap_capture", default=None)
-
 
 class WindowCapture:
-    """Context manager collecting the last ``window`` queries ([B, H, w, D]) of ``layers``."""
+    """The last ``window`` queries ([1, H, w, D]) of ``layers``, as a packed step's row feeds them."""
 
-    __slots__ = ("window", "layers", "queries", "scales", "_token")
+    __slots__ = ("window", "layers", "queries", "scales")
 
     def __init__(self, window: int, layers: set[int]):
         self.window = window
         self.layers = layers
         self.queries: dict[int, torch.Tensor] = {}
         self.scales: dict[int, float] = {}
-        self._token = None
 
     def add(self, layer_idx: int, query: torch.Tensor, scale: float | None) -> None:
         tail = query[:, :, -self.window :, :].detach()
@@ -47,20 +41,10 @@ class WindowCapture:
         if scale is not None:
             self.scales[layer_idx] = float(scale)
 
-    def __enter__(self) -> WindowCapture:
-        self._token = _active.set(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _active.reset(self._token)
-
 
 def _capturing_sdpa(module, query, key, value, attention_mask, **kwargs):
     if isinstance(key, RaggedKV):  # a packed step: each row on its own session's rows, its own capture
         return ragged_attention(sdpa_attention_forward, module, query, key, value, **kwargs)
-    capture = _active.get()
-    if capture is not None and getattr(module, "layer_idx", None) in capture.layers:
-        capture.add(module.layer_idx, query, kwargs.get("scaling"))
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

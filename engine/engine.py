@@ -90,6 +90,10 @@ class Engine:
         self.vocab_size = loaded.model.config.get_text_config().vocab_size
         self.max_context = loaded.model.config.get_text_config().max_position_embeddings
         self.eos_ids = loaded.eos_token_ids
+        text = loaded.model.config.get_text_config()
+        # the LM head computed here (see _lm_head) knows softcapping only; a model that scales its
+        # logits otherwise (Granite's logits_scaling, Cohere's logit_scale) gets its own forward's
+        self._own_head = all(getattr(text, name, None) in (None, 1, 1.0) for name in ("logits_scaling", "logit_scale"))
 
     # -- sessions ------------------------------------------------------------------------
     def new_session(
@@ -181,13 +185,19 @@ class Engine:
         """One packed forward over every row's new tokens (each on its own session's cache,
         :mod:`.batch`); each session's ``logical_len`` advances by its tokens. Returns the
         next-token logits of each row's last token ``[B, V]``."""
-        hidden = self.model.base_model(**packed_inputs(rows, self.device)).last_hidden_state[0]  # [T, D]
+        inputs = packed_inputs(rows, self.device)
         ends, end = [], 0
         for row in rows:
             end += len(row.tokens)
             ends.append(end - 1)
+        if self._own_head:
+            logits = self._lm_head(self.model.base_model(**inputs).last_hidden_state[0, ends])  # hidden: [B, D]
+        else:
+            keep = torch.tensor(ends, device=self.device)
+            logits = self.model(**inputs, logits_to_keep=keep).logits[0].float()
+        for row in rows:
             row.session.logical_len += len(row.tokens)
-        return self._lm_head(hidden[ends])
+        return logits
 
     def _compress(self, session: Session, captured: WindowCapture, window: int) -> None:
         """Apply the session policy to every full-attention layer (the window = this turn's tail)."""

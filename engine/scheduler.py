@@ -32,6 +32,8 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator
 
+from kvsnap.errors import Unavailable
+
 from .turn import Turn
 
 log = logging.getLogger(__name__)
@@ -110,8 +112,9 @@ class Scheduler:
         self._running: list[Job] = []
         self._cv = threading.Condition()
         self._stopped = False
-        if start:
-            threading.Thread(target=self._loop, name="kvsnap-scheduler", daemon=True).start()
+        self._thread = threading.Thread(target=self._loop, name="kvsnap-scheduler", daemon=True) if start else None
+        if self._thread is not None:
+            self._thread.start()
 
     # -- consumers -----------------------------------------------------------------------
     def job(self, turn: Turn) -> Job:
@@ -137,6 +140,11 @@ class Scheduler:
         with self._cv:
             self._stopped = True
             self._cv.notify()
+
+    @property
+    def alive(self) -> bool:
+        """The scheduler thread runs (always True for one driven by :meth:`run_step`)."""
+        return self._thread is None or self._thread.is_alive()
 
     @property
     def load(self) -> dict:
@@ -188,9 +196,10 @@ class Scheduler:
             t0 = time.perf_counter()
             try:
                 logits = self.engine.step(rows)
-            except BaseException as exc:  # noqa: BLE001 - those caches are not trusted any more
+            except Exception as exc:  # noqa: BLE001 - those caches are not trusted any more
+                log.exception("a batch step of %d rows failed", len(rows))
                 for job, _ in owners:
-                    self._fail(job, exc)
+                    self._fail(job, Unavailable(f"the worker's batch step failed ({exc!r}); retry the turn"))
                 return
             elapsed = time.perf_counter() - t0
             for b, (job, prefilling) in enumerate(owners):
@@ -201,13 +210,13 @@ class Scheduler:
         self._count(sum(not p for _, p in owners), sum(len(r.tokens) for r in rows))
 
     def _rows(self) -> tuple[list, list]:
-        """This step's rows: prompt chunks of prefilling turns, oldest first, while the budget
-        lasts (one chunk at least), then every decoding turn's pending token."""
+        """This step's rows: prompt chunks of prefilling turns, oldest first, as long as they fit
+        the budget (the oldest always does), then every decoding turn's pending token."""
         rows, owners, budget = [], [], 0
         for job in [j for j in self._running if j.turn.prefilling]:
             n = job.turn.next_chunk(self.chunk)
             if budget and budget + n > self.step_tokens:
-                break
+                continue  # a shorter prompt behind it may still fit
             budget += n
             if (row := self._call(job, job.turn.prefill_row, self.chunk)) is not None:
                 rows.append(row)

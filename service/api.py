@@ -56,7 +56,7 @@ class TurnOutcome:
     worker: str = ""
     source: str = ""
     state: dict | None = None
-    timings: dict = field(default_factory=dict)  # the worker's: prefill / reselect / decode / ttft seconds
+    timings: dict = field(default_factory=dict)  # the worker's: queue / prefill / reselect / decode / ttft seconds
 
 
 class SessionAPI:
@@ -296,7 +296,7 @@ class SessionAPI:
         text, finish, report = event["text"], event["finish_reason"], event["report"]
         self.metrics.record_turn(report, time.perf_counter() - (first_token_at or started))
         prefilled = report["prompt_tokens"]  # this turn's new tokens plus the previous answer's last one
-        timings = {k: report[k] for k in ("prefill_s", "reselect_s", "decode_s", "ttft_s")}
+        timings = {k: report[k] for k in ("queue_s", "prefill_s", "reselect_s", "decode_s", "ttft_s")}
         return TurnOutcome(sid, text, ids, finish, prefilled, event["worker"], event["source"], event["state"], timings)
 
     async def collect(self, events: AsyncIterator[dict]) -> TurnOutcome:

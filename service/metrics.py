@@ -58,7 +58,7 @@ def _batch_histograms(loads: dict):
             running, cumulative = 0, []
             for bound in (*buckets, "inf"):
                 running += counts.get(f"{prefix}{bound}", 0)
-                cumulative.append(("+Inf" if bound == "inf" else str(bound), running))
+                cumulative.append(("+Inf" if bound == "inf" else str(float(bound)), running))  # as Histogram does
             family.add_metric([worker], cumulative, sum_value=total)
     yield from (batch, tokens)
 

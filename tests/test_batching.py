@@ -278,3 +278,58 @@ def test_a_turn_cancelled_while_waiting_leaves_the_queue_at_once(llama_engine):
     assert waiting.ended.is_set() and list(waiting) == [] and waiting.turn.report is None
     assert session.logical_len == 0 and session.transcript == []  # it never ran
     assert not running.ended.is_set()
+
+
+def test_a_failed_forward_fails_its_turns_with_a_retryable_error_and_the_batch_goes_on(llama_engine, monkeypatch):
+    from kvsnap.errors import Unavailable
+
+    engine = llama_engine
+    scheduler = Scheduler(engine, threading.RLock(), max_batch=4, step_tokens=64, start=False)
+    jobs = [
+        scheduler.submit(engine.start(engine.new_session("full"), random_tokens(12, seed=i), GREEDY)) for i in range(2)
+    ]
+    real = engine.step
+    monkeypatch.setattr(engine, "step", lambda rows: (_ for _ in ()).throw(RuntimeError("device lost")))
+    scheduler.run_step()  # both prompts in one step, which fails
+    for job in jobs:
+        assert job.ended.is_set()
+        with pytest.raises(Unavailable, match="device lost"):
+            list(job)
+    monkeypatch.setattr(engine, "step", real)
+    doc = random_tokens(20, seed=9)
+    later = scheduler.submit(engine.start(engine.new_session("full"), doc, GREEDY))
+    while scheduler.run_step():
+        pass
+    assert list(later) == engine.turn(engine.new_session("full"), doc, GREEDY).tokens
+
+
+def test_a_stopped_scheduler_never_leaves_a_consumer_waiting(llama_engine):
+    engine = llama_engine
+    scheduler = Scheduler(engine, threading.RLock(), max_batch=1)  # its own thread
+    jobs = [
+        scheduler.submit(engine.start(engine.new_session("full"), random_tokens(20, seed=i), GREEDY)) for i in range(3)
+    ]
+    scheduler.stop()
+    for job in jobs:
+        assert job.wait(10), "a job was left waiting"
+        try:
+            list(job)
+        except RuntimeError as exc:
+            assert "stopped" in str(exc)
+    assert not scheduler.alive or scheduler._thread.join(5) is None
+
+
+def test_the_engines_lm_head_equals_the_models(tiny_engine):
+    """Engine._lm_head (W @ h^T, a lone row as two) gives the logits the model's own forward gives."""
+    from kvsnap.engine.batch import Row
+
+    engine = tiny_engine
+    tokens = random_tokens(35, seed=4)
+    a = engine.step([Row(engine.new_session("full"), tokens), Row(engine.new_session("full"), tokens[:9])])
+    engine._own_head = False
+    try:
+        b = engine.step([Row(engine.new_session("full"), tokens), Row(engine.new_session("full"), tokens[:9])])
+    finally:
+        engine._own_head = True
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a[0], engine.reference_logits(tokens), rtol=1e-4, atol=1e-4)

@@ -65,7 +65,7 @@ class Sample:
     tokens: int = 0
     source: str = ""
     logical_len: int = 0
-    gaps: list[float] = field(default_factory=list)  # inter-token latencies (gRPC: each chunk's tokens)
+    gaps: list[float] = field(default_factory=list)  # gRPC: time between streamed chunks (inter-token latency)
 
     @property
     def ok(self) -> bool:
@@ -179,12 +179,10 @@ class GrpcClient:
                 if chunk.done:
                     last = chunk
                 elif chunk.text or chunk.token_ids:
-                    now, n = time.perf_counter(), max(1, len(chunk.token_ids))
-                    if previous:  # a chunk of n tokens: n gaps of equal share
-                        gaps += [(now - previous) / n] * n
-                    else:
-                        gaps += [0.0] * (n - 1)
-                    previous, tokens = now, tokens + n
+                    now = time.perf_counter()
+                    if previous:  # one gap per chunk, whatever it carries (a burst is not averaged away)
+                        gaps.append(now - previous)
+                    previous, tokens = now, tokens + max(1, len(chunk.token_ids))
                     ttft = ttft or now - t0
         except self.grpc.RpcError as exc:
             return Sample("turn", exc.code().name, time.perf_counter() - t0)
