@@ -16,6 +16,9 @@ from .ingress import Ingress
 from .routing import AffinityRouter
 
 APP_NAME = "kvsnap"
+# Ray gives the head node this resource (Serve pins its controller with it): the ingress asks a
+# sliver of it, so it runs on the head (on demand on a cluster), never on a spot worker node.
+HEAD_NODE = {"node:__internal_head__": 0.001}
 
 
 def build_app(cfg: ServiceConfig, redis_url: str):
@@ -36,14 +39,18 @@ def build_app(cfg: ServiceConfig, redis_url: str):
         num_replicas=cfg.replicas,
         max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,
-        ray_actor_options={"num_cpus": cfg.cpus_per_replica, "num_gpus": gpus},
+        ray_actor_options={"num_cpus": cfg.cpus_per_replica, "num_gpus": gpus, "resources": dict(cfg.worker_resources)},
         request_router_config=router,
         health_check_period_s=2.0,
         health_check_timeout_s=30.0,
         graceful_shutdown_timeout_s=5.0,
     )
     ingress = serve.deployment(
-        Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0}
+        Ingress,
+        name="Ingress",
+        num_replicas=1,
+        max_ongoing_requests=1000,
+        ray_actor_options={"num_cpus": 0, "resources": HEAD_NODE},
     )
     config = cfg.model_dump()
     return ingress.bind(worker.bind(config, redis_url), config, redis_url)

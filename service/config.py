@@ -33,6 +33,11 @@ class ServiceConfig(BaseModel):
     replicas: int = Field(2, ge=1, description="worker replicas (one model each)")
     cpus_per_replica: float = Field(1.0, gt=0, description="CPUs per worker replica; torch threads follow it")
     gpus_per_replica: float = Field(-1, description="GPUs per worker replica; -1 = 1 when CUDA is present, else 0")
+    worker_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources each worker replica asks, e.g. {kvsnap_worker: 1} to pin replicas to "
+        "the nodes that offer it (cluster/aws.yaml); 'name:amount,...' in KVSNAP_WORKER_RESOURCES",
+    )
     http_host: str = Field("127.0.0.1", description="HTTP bind address")
     http_port: int = Field(8000, ge=1, le=65535)
     grpc_port: int = Field(9000, ge=0, le=65535, description="0 disables gRPC")
@@ -159,6 +164,16 @@ class ServiceConfig(BaseModel):
     @classmethod
     def _parse_keys(cls, value: Any) -> Any:
         return parse_api_keys(value) if isinstance(value, str) else value
+
+    @field_validator("worker_resources", mode="before")
+    @classmethod
+    def _parse_resources(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        pairs = [item.partition(":") for item in (part.strip() for part in value.split(",")) if item]
+        if any(not sep or not name for name, sep, _ in pairs):
+            raise ValueError("KVSNAP_WORKER_RESOURCES must look like 'name:amount,other:amount'")
+        return {name.strip(): amount.strip() for name, _, amount in pairs}
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ServiceConfig:

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
@@ -45,15 +46,17 @@ def free_port() -> int:
 class EmbeddedRedis:
     """Start / stop a redis-server process bound to 127.0.0.1 with its data in ``data_dir``."""
 
-    def __init__(self, data_dir: str | os.PathLike, port: int | None = None):
+    def __init__(self, data_dir: str | os.PathLike, port: int | None = None, password: str | None = None):
         # absolute: redis-server changes into --dir before it opens its log file
         self.data_dir = Path(data_dir).expanduser().resolve()
         self.port = port or free_port()
+        self.password = password  # set: clients must AUTH (``requirepass``), as a cluster's Redis asks
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -78,6 +81,8 @@ class EmbeddedRedis:
             "--logfile",
             str(self.data_dir / "redis.log"),
         ]
+        if self.password:
+            args += ["--requirepass", self.password]
         self.process = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )

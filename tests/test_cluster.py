@@ -96,6 +96,14 @@ def test_serve_config_passes_serves_schema_and_kvsnaps_config():
     assert app.import_path == "kvsnap.service.app:app_builder"
     cfg = ServiceConfig(**app.args)  # every arg is a known, valid field
     assert cfg.defaults.policy == "snapkv" and cfg.gpus_per_replica == 1
+    # replicas ask the custom resource only the cluster's GPU worker nodes offer
+    aws = yaml.safe_load((CLUSTER / "aws.yaml").read_text())
+    offered = {
+        name for name, t in aws["available_node_types"].items() if set(cfg.worker_resources) <= set(t["resources"])
+    }
+    assert cfg.worker_resources and offered == {
+        n for n, t in aws["available_node_types"].items() if t["resources"].get("GPU")
+    }
 
 
 @dataclass(frozen=True)
@@ -131,7 +139,7 @@ MODELS = {"gemma3-270m": Footprint(host_gib=4.0, gpu_gib=4.0)}
 
 # Per node, besides the replicas: the OS (a 16 GiB instance shows about 15.4 GiB to Linux; sshd,
 # the spot watcher) and Ray's own processes (raylet, dashboard and runtime-env agents, Serve's
-# proxy and HAProxy, and the Ingress replica, which asks no CPU and may land on any node).
+# proxy and HAProxy; on the head also the Ingress replica, which build_app pins there).
 OS_RESERVE_GIB = 1.5
 RAY_PROCESSES_GIB = 3.0
 # Root volume, besides a disk tier: the AMI's system, the kvsnap venv with CUDA torch, the model
@@ -166,6 +174,8 @@ def sizing_problems(aws: dict, serve: dict) -> list[str]:
         per_node = math.floor(cpus / cfg.cpus_per_replica)
         if cfg.gpus_per_replica > 0:
             per_node = min(per_node, math.floor(gpus / cfg.gpus_per_replica))
+        for resource, amount in cfg.worker_resources.items():  # custom resources pin replicas to node types
+            per_node = min(per_node, math.floor(node["resources"].get(resource, 0) / amount))
         if per_node == 0:
             continue  # hosts no worker replica (the head)
         on_gpu = cfg.gpus_per_replica > 0
@@ -341,6 +351,7 @@ def test_serve_config_runs_like_the_run_command(service, tmp_path):
         "replicas": 1,
         "cpus_per_replica": 0.01,
         "gpus_per_replica": 0,
+        "worker_resources": {},  # the local Ray has no kvsnap_worker nodes
         "grpc_port": free_port(),
         "redis_url": service.redis_url,
         "api_keys": {"cfg-key": "cfg"},

@@ -343,6 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
     spot.add_argument("--metadata-url", default="http://169.254.169.254", help="instance metadata endpoint")
     spot.add_argument("--interval", type=float, default=5.0, help="seconds between polls")
     spot.add_argument("--ray-address", default="auto")
+    spot.add_argument(
+        "--node-ip-address",
+        default=None,
+        help="the Ray node to watch, where one host runs several (default: this host's)",
+    )
     spot.set_defaults(func=_lazy("serve", "cmd_spot_watch"))
     return parser
 

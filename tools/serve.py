@@ -71,12 +71,12 @@ def cmd_serve(args) -> int:
 
 def cmd_spot_watch(args) -> int:
     """Run on each GPU spot node: drain it and move its sessions when AWS announces a reclaim."""
-    import functools
+    import json
     import os
 
     import ray
 
-    from kvsnap.cluster.spot import SpotWatcher, local_worker_replicas, poll_aws, ray_drain_node
+    from kvsnap.cluster.spot import SpotWatcher
 
     key = args.admin_key or os.environ.get("KVSNAP_ADMIN_KEY")
     if not key and args.admin_key_file:
@@ -87,16 +87,15 @@ def cmd_spot_watch(args) -> int:
             "kvsnap spot-watch: pass --admin-key, --admin-key-file or set KVSNAP_ADMIN_KEY "
             "(one of the service's KVSNAP_ADMIN_KEYS; tenant keys cannot drain)"
         )
-    ray.init(address=args.ray_address, logging_level="WARNING")
-    node_id = ray.get_runtime_context().get_node_id()
-    watcher = SpotWatcher(
-        kvsnap_url=args.kvsnap_url,
-        admin_key=key,
-        poll=functools.partial(poll_aws, args.metadata_url),
-        replicas=functools.partial(local_worker_replicas, node_id),
-        drain_node=functools.partial(ray_drain_node, node_id),
-        interval_s=args.interval,
+    # joins the Ray node on this host (the one at --node-ip-address where a host runs several)
+    ray.init(address=args.ray_address, _node_ip_address=args.node_ip_address, logging_level="WARNING")
+    context = ray.get_runtime_context()
+    node_id = context.get_node_id()
+    watcher = SpotWatcher.for_node(
+        node_id, context.gcs_address, args.kvsnap_url, key, metadata_url=args.metadata_url, interval_s=args.interval
     )
     print(f"watching {args.metadata_url} every {args.interval}s for node {node_id}", flush=True)
     watcher.run()
+    # one line for the log (~/spot-watch.log on a cluster): which replicas handed over how many sessions
+    print(json.dumps({"node": node_id, "drained": watcher.drained}), flush=True)
     return 0
