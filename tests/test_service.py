@@ -534,20 +534,21 @@ def _batch_steps(service, worker: str) -> tuple[float, float]:
 
 
 def test_concurrent_turns_on_one_replica_decode_together_and_equal_the_engine(service, llama_engine):
-    """Continuous batching through the service: three sessions held by one replica answer at
+    """Continuous batching through the service: two sessions held by one replica answer at
     once, their turns share decode steps (the replica's batch-size histogram in /metrics), and
-    every answer is the one the engine gives that conversation alone."""
+    every answer is the one the engine gives that conversation alone. (Two, not three: the
+    test service gives a holder's sessions away at three requests in flight.)"""
     holders: dict[str, list[str]] = {}
-    for i in range(5):  # two replicas: one of them holds three of five sessions
+    for i in range(3):  # two replicas: one of them holds two of three sessions
         sid = f"batch-{i}"
         assert create(service, sid).status_code == 201
         holders.setdefault(turn(service, sid, QUESTIONS[0]).json()["worker"], []).append(sid)
     worker, sids = max(holders.items(), key=lambda kv: len(kv[1]))
-    sids = sids[:3]
-    assert len(sids) == 3
+    sids = sids[:2]
+    assert len(sids) == 2
     assert _wait_for(lambda: _batch_steps(service, worker)[0] > 0, 10)  # published with the heartbeat
     steps_before, single_before = _batch_steps(service, worker)
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(2) as pool:
         answers = list(pool.map(lambda sid: turn(service, sid, QUESTIONS[1], max_tokens=60).json(), sids))
     want = reference_answers(llama_engine, DOC, QUESTIONS[:2], [6, 60])[-1]
     for answer in answers:
@@ -555,7 +556,7 @@ def test_concurrent_turns_on_one_replica_decode_together_and_equal_the_engine(se
         assert answer["text"] == want
     assert _wait_for(lambda: _batch_steps(service, worker)[0] > steps_before, 10)
     steps, single = _batch_steps(service, worker)
-    assert steps - steps_before > single - single_before  # some decode steps ran two or three sessions
+    assert steps - steps_before > single - single_before  # some decode steps ran both sessions
 
 
 # -- 3 and 4. moves: a killed holder, a drained holder, an overloaded holder ---------------------
@@ -715,7 +716,7 @@ def test_reselect_session_reports_its_reselection_per_turn(service):
     for a in answers:
         assert a["source"] in ("device", "host") and a["timings"]["reselect_s"] > 0
         assert a["state"]["kept_len"] <= 16 + 8 + 6  # the device holds the selection (+ this turn's answer)
-        assert set(a["timings"]) == {"prefill_s", "reselect_s", "decode_s", "ttft_s"}
+        assert set(a["timings"]) == {"queue_s", "prefill_s", "reselect_s", "decode_s", "ttft_s"}
     metrics = requests.get(f"{service.http}/metrics", headers=service.headers()).text
     count = next(line for line in metrics.splitlines() if line.startswith("kvsnap_reselect_seconds_count"))
     assert float(count.split()[-1]) >= 2
