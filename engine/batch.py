@@ -4,7 +4,7 @@ A step packs every row's new tokens into one sequence ``[1, T]``: a decoding ses
 its one pending token, a prefilling session the next chunk of its prompt. Everything but
 attention (embeddings, projections, MLPs, norms, and the LM head on each row's last token)
 runs once over the packed tokens, which reads the weights once for all rows: that is where a
-decode step's time goes, and a small prompt chunk rides along almost for free. Each token
+decode step's time goes, and a small prompt chunk shares that read instead of paying its own. Each token
 carries its own RoPE position (its session's ``logical_len`` onwards).
 
 At every layer :class:`BatchCache` writes row b's new keys and values into session b's own

@@ -8,7 +8,7 @@ Each step (nano-vllm / vLLM style iteration-level scheduling):
     forward  one packed forward over all the rows, each on its own session's cache
              (:meth:`Engine.step`, engine/batch.py): a long document holds the running sessions
              up for one chunk per step, never for its whole prompt, and short prompts (follow-up
-             questions) ride along with the decode rows almost for free
+             questions) ride in the same forward as the decode rows, not in one of their own
     sample   each turn samples from its own row; prompts that ended compress their session
     hand out each new token (and its text) goes to the turn's consumer; turns that ended leave
 
