@@ -87,10 +87,11 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
         self.prefill_chunk = prefill_chunk
-        self.vocab_size = loaded.model.config.get_text_config().vocab_size
-        self.max_context = loaded.model.config.get_text_config().max_position_embeddings
-        self.eos_ids = loaded.eos_token_ids
         text = loaded.model.config.get_text_config()
+        self.vocab_size = text.vocab_size
+        self.max_context = text.max_position_embeddings
+        self.eos_ids = loaded.eos_token_ids
+        self._softcap = getattr(text, "final_logit_softcapping", None)
         # the LM head computed here (see _lm_head) knows softcapping only; a model that scales its
         # logits otherwise (Granite's logits_scaling, Cohere's logit_scale) gets its own forward's
         self._own_head = all(getattr(text, name, None) in (None, 1, 1.0) for name in ("logits_scaling", "logit_scale"))
@@ -172,13 +173,6 @@ class Engine:
             timer.compress_s += time.perf_counter() - t0
         if job.decoder is not None:
             session.decoding = self._start_decoding(session, job.decoder, captured)
-
-    def _forward(self, session: Session, new: list[int], capture: WindowCapture | None = None) -> torch.Tensor:
-        """Run ``new`` through the model in chunks on the session cache (``capture`` keeps their
-        queries); logits of the last position [V]."""
-        for start in range(0, len(new), self.prefill_chunk):
-            logits = self.step([Row(session, new[start : start + self.prefill_chunk], capture)])[0]
-        return logits
 
     @torch.inference_mode()
     def step(self, rows: list[Row]) -> torch.Tensor:
@@ -302,9 +296,8 @@ class Engine:
         logits = (head.weight @ rows.T).T[: hidden.shape[0]]
         if head.bias is not None:
             logits = logits + head.bias
-        cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
+        if self._softcap:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits.float()
 
     def _decode_step(self, session: Session) -> torch.Tensor:

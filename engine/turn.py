@@ -118,21 +118,25 @@ class Turn:
     def prefill_step(self, chunk: int) -> int | None:
         """Run the next prompt chunk alone; after the last one, the first generated token (None
         when nothing was generated: a prefill-only turn, or EOS at once)."""
-        row = self.prefill_row(chunk)
-        t0 = time.perf_counter()
-        logits = self.engine.step([row])[0]
-        return self.prefill_done(row, logits, time.perf_counter() - t0)
+        self._begin()
+        return self._chunk_done(self.prefill.step(chunk))
 
     def prefill_row(self, chunk: int) -> Row:
         """The next prompt chunk as a row of a packed step (the first one starts the prefill)."""
-        if self.prefill is None:
-            self.started = time.perf_counter()
-            self.prefill = Prefill(self.engine, self.session, self.tokens, self.timer)
+        self._begin()
         return self.prefill.row(chunk)
 
     def prefill_done(self, row: Row, logits: torch.Tensor, elapsed_s: float) -> int | None:
         """``row`` ran (its logits [V]); after the prompt's last chunk, sample the first token."""
-        logits = self.prefill.advance(len(row.tokens), logits, elapsed_s)
+        return self._chunk_done(self.prefill.advance(len(row.tokens), logits, elapsed_s))
+
+    def _begin(self) -> None:
+        if self.prefill is None:
+            self.started = time.perf_counter()
+            self.prefill = Prefill(self.engine, self.session, self.tokens, self.timer)
+
+    def _chunk_done(self, logits: torch.Tensor | None) -> int | None:
+        """After a prompt chunk: None until the prompt is done (``logits``), then its first token."""
         if logits is None:
             return None
         self.decode_started = time.perf_counter()

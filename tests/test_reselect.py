@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from kvsnap.actors.worker import Worker
 from kvsnap.engine import Engine, SamplingParams, load_model
+from kvsnap.engine.batch import Row
 from kvsnap.engine.cache import full_layer_indices
 from kvsnap.engine.capture import WindowCapture
 from kvsnap.policies import make_policy
@@ -77,7 +78,8 @@ def test_follow_up_keeps_exactly_snapkv_over_the_full_cache(model):
     # direct computation: this turn's window queries (on the cache as it was), SnapKV over every row
     new = before.pending + question
     captured = WindowCapture(POLICY.window, set(layers))
-    engine._forward(before, new, captured)
+    assert len(new) <= engine.prefill_chunk  # one packed step, as the turn's prefill ran it
+    engine.step([Row(before, new, captured)])
     for idx in layers:
         appended = before.cache.layers[idx].keys[:, :, before.full_len - before.logical_len :]  # answer + new
         all_keys = torch.cat([before.full_kv[idx][0], appended], dim=-2)  # [1, H_kv, L, D]
