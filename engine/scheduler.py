@@ -241,10 +241,8 @@ class Scheduler:
 
     def _run(self, job: Job, step, *args) -> None:
         """One of ``job``'s steps; its token goes out, its error ends it alone."""
-        try:
-            token = step(*args)
-        except BaseException as exc:  # noqa: BLE001 - the turn's own error, handed to its consumer
-            self._fail(job, exc)
+        token = self._call(job, step, *args)
+        if job.error is not None:
             return
         if token is not None:
             job._events.put((token, job.turn.detok.take()))
