@@ -33,9 +33,9 @@ def start_service(**overrides):
     """A local Serve app with the bench API key; returns its config once /health answers."""
     from ray import serve
 
+    from kvsnap.ports import free_port
     from kvsnap.service.app import APP_NAME, build_app
     from kvsnap.service.config import PolicyDefaults, ServiceConfig
-    from kvsnap.store.redis_server import free_port
 
     fields = dict(
         replicas=2,

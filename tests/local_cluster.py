@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvsnap.store.redis_server import free_port
+from kvsnap.ports import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
 

@@ -78,6 +78,25 @@ def test_ray_environment_sets_the_data_path_unless_told_otherwise(monkeypatch):
     assert ray_environment() == {}  # no HAProxy binary: Serve's standard proxy
 
 
+def test_free_ports_stay_out_of_the_ephemeral_range(tmp_path):
+    """A listener that binds seconds after its port was chosen (HAProxy, after Ray starts) must
+    not lose the port to an outgoing connection: ports come from below the kernel's range."""
+    import socket
+
+    from kvsnap import ports
+
+    low = ports.ephemeral_low()
+    drawn = {ports.free_port() for _ in range(50)}
+    assert all(ports.LOW <= p < low for p in drawn) and len(drawn) > 40
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        assert not ports._bindable(held.getsockname()[1])  # a held port is never handed out
+    narrow = tmp_path / "range"
+    narrow.write_text("20100\t60999\n")
+    assert ports.ephemeral_low(str(narrow)) == 20100 and ports.ephemeral_low(str(tmp_path / "none")) == 32768
+
+
 def test_cluster_config_rejects_a_broken_one():
     from ray.autoscaler._private.util import prepare_config, validate_config
 
@@ -342,8 +361,8 @@ def test_serve_config_runs_like_the_run_command(service, tmp_path):
     """The Serve config's application, built by its import path, serves the same API."""
     from ray import serve
 
+    from kvsnap.ports import free_port
     from kvsnap.service.app import app_builder
-    from kvsnap.store.redis_server import free_port
 
     raw = yaml.safe_load((CLUSTER / "serve.yaml").read_text())
     args = raw["applications"][0]["args"] | {

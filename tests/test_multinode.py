@@ -37,7 +37,8 @@ import requests
 
 from kvsnap.engine import Engine, load_model
 from kvsnap.policies import make_policy
-from kvsnap.store.redis_server import EmbeddedRedis, free_port
+from kvsnap.ports import free_port
+from kvsnap.store.redis_server import EmbeddedRedis
 
 from .local_cluster import LocalRayCluster
 from .test_cluster import FakeMetadata
