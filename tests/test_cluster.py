@@ -123,6 +123,8 @@ def test_serve_config_passes_serves_schema_and_kvsnaps_config():
     app = schema.applications[0]
     assert app.import_path == "kvsnap.service.app:app_builder"
     cfg = ServiceConfig(**app.args)  # every arg is a known, valid field
+    # the replica count is a deployment override (changing it keeps running replicas), not an arg
+    assert "replicas" not in app.args and [(d.name, d.num_replicas) for d in app.deployments] == [("Worker", 2)]
     assert cfg.defaults.policy == "snapkv" and cfg.gpus_per_replica == 1
     # replicas ask the custom resource only the cluster's GPU worker nodes offer
     aws = yaml.safe_load((CLUSTER / "aws.yaml").read_text())

@@ -1,20 +1,21 @@
 """kvsnap on a multi-node Ray cluster, all on this host (tests/local_cluster.py): a head node
 (GCS, Serve controller, the HTTP proxy, the kvsnap ingress) and worker nodes that offer the
 ``kvsnap_worker`` resource the worker replicas ask (``worker_resources``, as cluster/aws.yaml and
-cluster/serve.yaml do). The app is deployed through ``app_builder`` (serve.yaml's import path)
-from a driver process whose environment holds the secrets and ``KVSNAP_REDIS_URL``: an external
-redis-server with a password that the service did not start.
+cluster/serve.yaml do). The app is deployed from a Serve config (serve.yaml's shape, import path
+``app_builder``), built on the cluster from the secrets and ``KVSNAP_REDIS_URL`` in the nodes'
+environment: an external redis-server with a password that the service did not start.
 
 Shown here: sessions spread over the worker nodes and every follow-up lands on its holder; a spot
 preemption end to end (``kvsnap spot-watch`` on the node sees a notice from a fake metadata
 server, drains the node through Ray's drain API, finds the replicas on its node in Ray's actor
 table, moves their sessions through the admin route; then the node is killed whole); a worker
-node lost without notice; Serve bringing the replica count back when a node joins. Every answer
+node lost without notice; Serve bringing the replica count back when a node joins; a scale-out
+(a node joins, the config is deployed again with one more replica). Every answer
 equals an uninterrupted in-process twin's (greedy). The figures are printed (``-s``) and
 cluster/README.md quotes them.
 
-One cluster for the module; the tests run in order and each leaves the cluster with two worker
-replicas on two live worker nodes."""
+One cluster for the module; the tests run in order and each but the last leaves the cluster with
+two worker replicas on two live worker nodes."""
 
 from __future__ import annotations
 
@@ -55,17 +56,49 @@ MAX_TOKENS = 6
 REQUEST_TIMEOUT_S = 40  # the service's; a request that outlives it (plus slack) hung
 CLIENT_TIMEOUT_S = REQUEST_TIMEOUT_S + 15
 
+# What `serve deploy cluster/serve.yaml` does, minus the dashboard this cluster has none of (the
+# CLI posts the config to it, and it hands the config to the Serve controller): the controller
+# builds the app from the config in a task on the cluster, whose nodes hold the secrets in their
+# environment (as cluster/aws.yaml's nodes do). A config deploy, not serve.run: Serve then treats
+# a changed `num_replicas` under `deployments:` as a light update that keeps running replicas.
 DEPLOY = """
-import json, os
+import json, os, time
 import ray
 from ray import serve
-from kvsnap.service.app import APP_NAME, app_builder
+from ray.serve.context import _get_global_client
+from ray.serve.schema import ServeDeploySchema
 ray.init(address=os.environ["GCS"], logging_level="WARNING", log_to_driver=False)
-args = json.loads(os.environ["MN_ARGS"])
-# one HTTP proxy, on the head (all nodes share this host's ports)
-serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": args["http_port"]})
-serve.run(app_builder(args), name=APP_NAME, route_prefix="/")
+config = ServeDeploySchema(**json.loads(os.environ["MN_CONFIG"]))
+serve.start(proxy_location=config.proxy_location, http_options=config.http_options.model_dump())
+_get_global_client().deploy_apps(config)
+began = time.monotonic()
+while time.monotonic() - began < 240:
+    app = serve.status().applications.get("kvsnap")
+    if app is not None and app.status == "RUNNING":
+        break
+    assert app is None or app.status != "DEPLOY_FAILED", app.message
+    time.sleep(0.5)
+else:
+    raise TimeoutError(f"the app is not running after 240 s: {app}")
 """
+
+
+def serve_config(args: dict, workers: int) -> dict:
+    """The Serve config (cluster/serve.yaml's shape) for ``workers`` worker replicas."""
+    return {
+        "proxy_location": "HeadOnly",  # one HTTP proxy, on the head (all nodes share this host's ports)
+        "http_options": {"host": "127.0.0.1", "port": args["http_port"]},
+        "applications": [
+            {
+                "name": "kvsnap",
+                "route_prefix": "/",
+                "import_path": "kvsnap.service.app:app_builder",
+                "args": args,
+                "deployments": [{"name": "Worker", "num_replicas": workers}],
+            }
+        ],
+    }
+
 
 # Serve's own view: `count` worker replicas RUNNING, all on live nodes (Serve goes on counting a
 # replica of a killed node as RUNNING until Ray declares the node dead)
@@ -117,6 +150,12 @@ class MultiNode:
         assert made.status_code == 201, made.text
         spec = make_policy("snapkv", **SNAPKV) if policy == "snapkv" else make_policy("full")
         return Session(sid, policy, doc, reference_answers(self.twin, doc, QUESTIONS, MAX_TOKENS, spec))
+
+    def deploy(self, workers: int) -> float:
+        """(Re)deploy the app's config with ``workers`` worker replicas; seconds until RUNNING."""
+        began = time.monotonic()
+        self.cluster.run_driver(DEPLOY, {"MN_CONFIG": json.dumps(serve_config(self.args, workers))}, timeout_s=300)
+        return time.monotonic() - began
 
     def wait_for_workers(self, count: int, timeout_s: float = 120) -> float:
         live = ",".join(n.node_id for n in self.cluster.nodes.values() if n.alive)
@@ -183,6 +222,12 @@ def mn():
     env |= {k: str(free_port()) for k in ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT")}
     password = secrets.token_urlsafe(16)
     store = EmbeddedRedis(root / "redis", password=password).start()  # "external": the service did not start it
+    # the secrets live in the nodes' environment (cluster/aws.yaml: ~/kvsnap.env), never in the config
+    env |= {
+        "KVSNAP_REDIS_URL": store.url,  # redis://:<password>@127.0.0.1:<port>/0
+        "KVSNAP_API_KEYS": f"{API_KEY}:{TENANT}",
+        "KVSNAP_ADMIN_KEYS": ADMIN_KEY,
+    }
     cluster = LocalRayCluster(root / "ray", env)
     try:
         cluster.start_head()
@@ -207,13 +252,7 @@ def mn():
             "defaults": {"policy": "snapkv", **SNAPKV},
         }
         began = time.monotonic()
-        secrets_env = {
-            "MN_ARGS": json.dumps(args),
-            "KVSNAP_REDIS_URL": store.url,  # redis://:<password>@127.0.0.1:<port>/0
-            "KVSNAP_API_KEYS": f"{API_KEY}:{TENANT}",
-            "KVSNAP_ADMIN_KEYS": ADMIN_KEY,
-        }
-        cluster.run_driver(DEPLOY, secrets_env)
+        cluster.run_driver(DEPLOY, {"MN_CONFIG": json.dumps(serve_config(args, 2))}, timeout_s=300)
         started = ", ".join(f"{n.name} {n.started_s:.1f}s" for n in cluster.nodes.values())
         print(f"\n[multinode] nodes started in {started}; app deployed in {time.monotonic() - began:.1f} s")
         twin = Engine(load_model("tiny-llama"), prefill_chunk=1024)  # the service's prefill_chunk (default)
@@ -390,3 +429,38 @@ def test_a_node_lost_without_notice_its_sessions_are_rebuilt_on_the_survivor(mn)
     for s in sessions:  # and the sessions go on where they are
         answer, _, _ = ask(mn, s)
         assert answer["worker"] in survivor_ids and answer["source"] == "device"
+
+
+def test_scaling_out_new_sessions_go_to_the_new_node_and_held_ones_stay(mn):
+    """The operator's scale-out: a node joins, the same Serve config is deployed again with one
+    more worker replica under ``deployments:`` (cluster/serve.yaml). Serve starts the new replica
+    on the new node and keeps the running ones (a light update: same ids, same caches); held
+    sessions answer on their holder from its device tier, new sessions are placed on the least
+    loaded replica, which is the new, empty one."""
+    before = mn.worker_nodes()
+    assert len(before) == 2
+    held = [mn.open(f"held-{i}", i) for i in range(4)]
+    holder = {s.sid: ask(mn, s)[0]["worker"] for s in held}
+    assert set(holder.values()) <= set(before)
+
+    joined_at = time.monotonic()
+    mn.cluster.add_worker("worker-e", resources=WORKER)
+    deployed = mn.deploy(3)
+    took = mn.wait_for_workers(3)
+    after = mn.worker_nodes()
+    assert set(before) <= set(after), (before, after)  # the running replicas stayed (same replica ids)
+    (new_id,) = set(after) - set(before)
+    assert after[new_id] == "worker-e"
+    print(
+        f"\n[multinode] scale-out: 3 worker replicas {time.monotonic() - joined_at:.1f} s after the node joined "
+        f"(deploy {deployed:.1f} s, then {took:.1f} s)"
+    )
+
+    for s in held:  # held sessions stay where their KV is
+        answer, _, _ = ask(mn, s)
+        assert answer["worker"] == holder[s.sid] and answer["source"] == "device", (s.sid, answer)
+    fresh = [mn.open(f"scaled-{i}", i) for i in range(3)]
+    placed = [ask(mn, s)[0] for s in fresh]
+    # the old replicas hold this module's earlier sessions, the new one none: every new session goes there
+    assert [a["worker"] for a in placed] == [new_id] * len(fresh), (new_id, placed)
+    assert all(a["source"] == "device" for a in placed)
