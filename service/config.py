@@ -28,7 +28,9 @@ class PolicyDefaults(BaseModel):
 class ServiceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field("gemma3-270m", description="gemma3-270m (embedded), tiny-llama, tiny-gemma3, HF id or path")
+    model: str = Field(
+        "gemma3-270m", description="gemma3-270m or smollm2-135m (embedded), tiny-llama, tiny-gemma3, HF id or path"
+    )
     gguf_file: str | None = Field(None, description="GGUF file name inside the model directory")
     replicas: int = Field(2, ge=1, description="worker replicas (one model each)")
     cpus_per_replica: float = Field(1.0, gt=0, description="CPUs per worker replica; torch threads follow it")

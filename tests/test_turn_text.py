@@ -15,7 +15,9 @@ from .conftest import random_tokens
 
 
 def test_templated_turns_stop_at_the_templates_turn_marker_unless_the_request_says_otherwise():
-    api = SessionAPI(ServiceConfig(), workers=None, tokenizer=None, directory=None, metrics=None)
+    from kvsnap.engine.models import ByteTokenizer
+
+    api = SessionAPI(ServiceConfig(), workers=None, tokenizer=ByteTokenizer(), directory=None, metrics=None)
     assert TURN_MARKER == "\nUser:" and segment({"role": "user", "content": "q"}).startswith(TURN_MARKER)
     assert api.sampling({}, template=True).stop == (TURN_MARKER,)
     assert api.sampling({"stop": None}, template=True).stop == (TURN_MARKER,)
@@ -75,9 +77,10 @@ def test_a_turn_marker_the_answer_stopped_on_is_not_prefilled_again(llama_engine
 
 def test_templated_user_messages_start_with_the_marker_tokens():
     from kvsnap.engine.models import ByteTokenizer
-    from kvsnap.service.template import encode_messages, marker_ids
+    from kvsnap.service.template import encode_messages, template_for
 
     tok = ByteTokenizer()
     ids = encode_messages(tok, [{"role": "user", "content": "hi"}], first=False)
-    assert ids[: len(marker_ids(tok))] == marker_ids(tok)
+    marker = template_for(tok).marker
+    assert marker and ids[: len(marker)] == marker
     assert tok.decode(ids) == "\nUser: hi\nAssistant:"

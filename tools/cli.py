@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--model",
         default="gemma3-270m",
-        help="gemma3-270m (embedded), tiny-llama, tiny-gemma3, an HF model id or a local path",
+        help="gemma3-270m or smollm2-135m (embedded), tiny-llama, tiny-gemma3, an HF model id or a local path",
     )
     gen.add_argument("--gguf-file", default=None, help="GGUF file name inside --model's directory")
     gen.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
@@ -258,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="run the service: local Ray, embedded Redis, HTTP + gRPC")
-    srv.add_argument("--model", default=None, help="default gemma3-270m (or KVSNAP_MODEL)")
+    srv.add_argument(
+        "--model", default=None, help="default gemma3-270m (or KVSNAP_MODEL); smollm2-135m: the embedded chat model"
+    )
     srv.add_argument("--replicas", type=int, default=None, help="worker replicas (default 2)")
     srv.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     srv.add_argument("--http-port", type=int, default=None, help="default 8000")
