@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 
 from kvsnap.engine.cache import export_kv, full_layer_indices, import_kv
 from kvsnap.engine.engine import Engine
-from kvsnap.engine.session import Session, TurnMark
+from kvsnap.engine.session import Session, TurnMark, marks_cover
 from kvsnap.errors import Conflict, NotFound, Unavailable
 from kvsnap.policies import Policy, policy_from_json
 from kvsnap.store.directory import SessionDirectory, SessionEntry, check_id
 from kvsnap.store.tiers import KVBlob, TieredStore, blob_from_bytes, blob_to_bytes
+
+from .turns import turn_boundaries
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +176,36 @@ class SessionStore:
         self.counters["rebuilds"] += 1
         return session, "rebuilt"
 
+    def rewound(self, key: str, entry: SessionEntry, keep: int) -> tuple[Session, list[dict], int]:
+        """The session as it was after its first ``keep`` turns (a request diverged from its
+        history there), replayed from its logs as a rebuild does: each turn prefilled and
+        compressed where it ran, so the KV is exactly the one the session had at that boundary.
+        Returns it, the messages it kept, and the tokens replayed. What is held stays until the
+        new turn commits (the logs are then rewritten: :meth:`commit` with ``kept``)."""
+        with self.lock:
+            held = self.held.get(key)
+            current = held is not None and held.entry.version == entry.version
+            policy = held.policy if current and held.policy is not None else policy_from_json(entry.policy)
+            if current:
+                tokens, marks, messages = list(held.transcript), list(held.marks), list(held.messages)
+        if not current:
+            tokens, marks = self._log(entry)
+            messages = self.directory.messages(entry.tenant, entry.session_id)
+        bounds = turn_boundaries(messages, len(marks))
+        if not bounds or len(marks) != entry.turns or not 0 < keep < len(marks) or not marks_cover(marks, len(tokens)):
+            raise Conflict(
+                f"session {entry.session_id!r} cannot be taken back to its turn {keep} "
+                f"(it has {len(marks)} turns, logged as {len(bounds)})"
+            )
+        kept = marks[:keep]
+        replayed = sum(m.prompt + m.generated for m in kept)
+        session = self.engine.new_session(policy, entry.recompress, entry.session_id)
+        with self.model_lock:
+            self.engine.rebuild(session, tokens[:replayed], kept[-1].logical_len, kept)
+        session.turns = keep
+        self.counters["rewinds"] += 1
+        return session, messages[: bounds[keep - 1]], replayed
+
     def _restore(self, session, entry, blob: KVBlob, transcript, marks, full: KVBlob | None) -> None:
         session.cache = import_kv(self.engine.model.config, blob.tensors, blob.logical_len)
         session.logical_len = blob.logical_len
@@ -233,9 +265,19 @@ class SessionStore:
             self.directory.delete(entry.tenant, entry.session_id)
         self.directory.create(entry, [])
 
-    def commit(self, key: str, entry: SessionEntry, session: Session, messages: list[dict], turn_id: str = "") -> None:
+    def commit(
+        self,
+        key: str,
+        entry: SessionEntry,
+        session: Session,
+        messages: list[dict],
+        turn_id: str = "",
+        kept: list[dict] | None = None,
+    ) -> None:
         """Store the session's KV (version + 1) and compare-and-set its directory entry, token log,
-        turn mark and messages; while Redis is down, keep the commit to replay it later."""
+        turn mark and messages; while Redis is down, keep the commit to replay it later.
+        ``kept``: the session was taken back to a turn boundary first (:meth:`rewound`) and kept
+        these messages: its logs are rewritten whole, under the same compare-and-set."""
         with self.lock:
             expected, logged = entry.version, entry.log_len
             updated = _copy(entry)
@@ -246,9 +288,12 @@ class SessionStore:
             updated.tier = self.tiers.put(key, blob) or "dropped"
             self._store_full_copy(key, session, expected + 1)
             held = self.held.get(key)
-            all_messages = self._messages_before(entry, held) + messages
+            all_messages = (self._messages_before(entry, held) if kept is None else kept) + messages
             try:  # one commit per turn: its mark is the session's last
-                self.directory.commit(updated, expected, session.transcript[logged:], messages, session.marks[-1:])
+                if kept is None:
+                    self.directory.commit(updated, expected, session.transcript[logged:], messages, session.marks[-1:])
+                else:
+                    self.directory.rewrite(updated, expected, session.transcript, all_messages, session.marks)
             except Conflict:
                 self.forget(key)
                 self.counters["conflicts"] += 1

@@ -49,6 +49,9 @@ class TurnRequest:
     marker: list[int] = field(default_factory=list)
     # a new session's scope for implicit sessions ("" = none: never matched by content)
     conversation: str = ""
+    # set: the request diverged from the session's history after its first ``keep_turns`` turns;
+    # the session goes back to that turn boundary (replayed from its log) before this turn
+    keep_turns: int | None = None
 
     @property
     def key(self) -> str:
@@ -58,3 +61,21 @@ class TurnRequest:
     @property
     def stop(self) -> tuple[str, ...]:
         return self.sampling.stop if self.sampling is not None else ()
+
+
+ANSWER_ROLES = ("assistant", "completion")
+OPENING_ROLES = ("system", "document", "prompt")  # what a session opened without a question holds
+
+
+def turn_boundaries(messages: list[dict], turns: int) -> list[int]:
+    """How many of a session's logged ``messages`` its first 1, 2, ... ``turns`` turns hold: the
+    points a diverging request can take the session back to. Every turn ends with its answer,
+    except a first turn that only opened the session with a document (no answer). Empty when
+    the log does not say (a log that does not end on a turn boundary)."""
+    ends = [i + 1 for i, m in enumerate(messages) if m.get("role") in ANSWER_ROLES]
+    if turns == len(ends) + 1:  # opened with a document alone: its messages come before any question
+        opening = next((i for i, m in enumerate(messages) if m.get("role") not in OPENING_ROLES), len(messages))
+        ends = [opening, *ends] if opening else []
+    if len(ends) != turns or not ends or ends[-1] != len(messages) or ends != sorted(set(ends)):
+        return []
+    return ends

@@ -77,6 +77,7 @@ class Worker:
         work on a bad request); tokens come as the stream is iterated. The stream holds the
         session's claim until it ends or is closed; it commits what was generated either way."""
         session = self._new(req) if req.new_session is not None else None
+        kept, replayed = None, 0  # a rewind: the messages the session keeps, the tokens replayed
         with self.sessions.claimed(req.key) as claim:
             if session is not None:
                 entry, source = self._open(req, session), "new"
@@ -89,11 +90,15 @@ class Worker:
                         f"session {req.session_id!r} changed since this turn was built on it "
                         f"(version {entry.version}, expected {req.expected_version})"
                     )
-                session, source = self.sessions.load(req.key, entry)  # a rebuild takes the model between steps
+                if req.keep_turns is not None:  # back to a turn boundary first (replayed, as a rebuild)
+                    session, kept, replayed = self.sessions.rewound(req.key, entry, req.keep_turns)
+                    source = "rewound"
+                else:  # a rebuild takes the model between the scheduler's steps
+                    session, source = self.sessions.load(req.key, entry)
             turn = self.engine.start(session, self._unmarked(req, session), req.sampling)
         job = self.scheduler.job(turn)  # submitted when the stream is first iterated
         out = TurnStream(source=source, on_close=claim.release, detok=job, cancel=job.cancel)
-        out.tokens = self._run(claim, req, entry, session, job, out)
+        out.tokens = self._run(claim, req, entry, session, job, out, kept, replayed)
         return out
 
     def run(self, req: TurnRequest) -> TurnResult:
@@ -149,7 +154,7 @@ class Worker:
         self.sessions.create(entry)
         return entry
 
-    def _run(self, claim: Claim, req: TurnRequest, entry: SessionEntry, session: Session, job: Job, out):
+    def _run(self, claim: Claim, req: TurnRequest, entry: SessionEntry, session: Session, job: Job, out, *rewind):
         """The turn's tokens as the scheduler makes them; commits when it ends (also when closed early)."""
         with claim:
             self.scheduler.submit(job)
@@ -158,22 +163,22 @@ class Worker:
             except GeneratorExit:  # the client went away: keep what was generated
                 job.cancel()
                 job.wait()
-                self._settle(req, entry, session, job, out)
+                self._settle(req, entry, session, job, out, *rewind)
                 raise
             except BaseException:  # the turn broke half way: its KV is not trusted, the log is
                 job.cancel()
                 job.wait()
                 self._discard(req, out)
                 raise
-            self._settle(req, entry, session, job, out)
+            self._settle(req, entry, session, job, out, *rewind)
 
-    def _settle(self, req: TurnRequest, entry: SessionEntry, session: Session, job: Job, out) -> None:
+    def _settle(self, req: TurnRequest, entry: SessionEntry, session: Session, job: Job, out, *rewind) -> None:
         """Commit what the turn did. One cancelled before it left the queue changed nothing (a new
-        session it was to open is not kept)."""
+        session it was to open is not kept; a session it was to take back stays as it was)."""
         if job.error is not None:
             self._discard(req, out)
         elif job.turn.prefill is not None:
-            self._finish(req, entry, session, job, out)
+            self._finish(req, entry, session, job, out, *rewind)
         elif out.source == "new":
             self._discard(req, out)
 
@@ -182,12 +187,15 @@ class Worker:
         if out.source == "new":
             self.directory.delete(req.tenant, req.session_id)
 
-    def _finish(self, req: TurnRequest, entry: SessionEntry, session: Session, job: Job, out) -> None:
+    def _finish(
+        self, req: TurnRequest, entry: SessionEntry, session: Session, job: Job, out, kept=None, replayed=0
+    ) -> None:
         out.finish_reason, out.report = job.turn.finish_reason, job.turn.report
+        out.report.replayed_tokens = replayed
         messages = list(req.log)
         if req.answer_role:  # logged as the caller got it: cut at its stop string
             messages.append({"role": req.answer_role, "content": job.text})
-        self.sessions.commit(req.key, entry, session, messages, req.turn_id)
+        self.sessions.commit(req.key, entry, session, messages, req.turn_id, kept)
 
     # -- sessions ------------------------------------------------------------------------
     def messages(self, tenant: str, session_id: str) -> list[dict]:

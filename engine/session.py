@@ -77,6 +77,7 @@ class TurnReport:
     ttft_s: float  # turn start to first generated token (0 if nothing was generated)
     reselect_s: float = 0.0  # re-selection from the full cache (a Reselect policy), part of the prefill
     queue_s: float = 0.0  # waiting for a place in the worker's batch (continuous batching), before the prefill
+    replayed_tokens: int = 0  # tokens replayed to take the session back to a turn boundary first (a rewind)
 
     @property
     def compression_ratio(self) -> float:

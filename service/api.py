@@ -57,6 +57,7 @@ class TurnOutcome:
     source: str = ""
     state: dict | None = None
     timings: dict = field(default_factory=dict)  # the worker's: queue / prefill / reselect / decode / ttft seconds
+    replayed_tokens: int = 0  # tokens replayed to take the session back to a turn boundary (a rewind)
 
 
 class SessionAPI:
@@ -207,14 +208,34 @@ class SessionAPI:
         return self.stream(req, protocol, streaming)
 
     def next_turn(
-        self, tenant, session_id, tokens, sampling, log, answer_role, expected_version=0, templated=True
+        self,
+        tenant,
+        session_id,
+        tokens,
+        sampling,
+        log,
+        answer_role,
+        expected_version=0,
+        templated=True,
+        keep_turns: int | None = None,
     ) -> TurnRequest:
         """A turn on an existing session, with an id of its own (see the retry rule in stream);
-        ``templated``: its tokens come from the template (a marker the session holds is skipped)."""
+        ``templated``: its tokens come from the template (a marker the session holds is skipped);
+        ``keep_turns``: the session first goes back to the end of that turn (a diverging request)."""
         marker = self.marker if templated else []
         turn_id = uuid.uuid4().hex
         return TurnRequest(
-            tenant, session_id, tokens, sampling, None, log, answer_role, turn_id, expected_version, marker
+            tenant,
+            session_id,
+            tokens,
+            sampling,
+            None,
+            log,
+            answer_role,
+            turn_id,
+            expected_version,
+            marker,
+            keep_turns=keep_turns,
         )
 
     async def stream(self, req: TurnRequest, protocol: str, streaming: bool = True):
@@ -298,7 +319,10 @@ class SessionAPI:
         self.metrics.record_turn(report, time.perf_counter() - (first_token_at or started))
         prefilled = report["prompt_tokens"]  # this turn's new tokens plus the previous answer's last one
         timings = {k: report[k] for k in ("queue_s", "prefill_s", "reselect_s", "decode_s", "ttft_s")}
-        return TurnOutcome(sid, text, ids, finish, prefilled, event["worker"], event["source"], event["state"], timings)
+        replayed = report.get("replayed_tokens", 0)
+        return TurnOutcome(
+            sid, text, ids, finish, prefilled, event["worker"], event["source"], event["state"], timings, replayed
+        )
 
     async def collect(self, events: AsyncIterator[dict]) -> TurnOutcome:
         async for event in events:

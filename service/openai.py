@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from kvsnap.actors.turns import turn_boundaries
 from kvsnap.errors import Conflict, InvalidArgument, NotFound
 from kvsnap.store.directory import check_id
 
@@ -49,11 +50,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     sampling = body.model_dump(
         include={"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
     )
-    settings = body.kvsnap.model_dump(exclude={"session"}) if body.kvsnap else None
+    settings = body.kvsnap.model_dump(exclude={"session", "history"}) if body.kvsnap else None
+    strict = body.kvsnap is not None and body.kvsnap.history == "strict"
     sid = session_header(request, api)
     if sid is not None:  # the client names its session
-        stored, version = await stored_messages(api, tenant, sid)
-        events = chat(api, tenant, sid, messages, sampling, settings, "http", stored, body.stream, version)
+        stored, entry = await stored_messages(api, tenant, sid)
+        version, turns = (entry.version, entry.turns) if entry else (0, 0)
+        args = (api, tenant, sid, messages, sampling, settings, "http", stored, body.stream, version)
+        events = chat(*args, turns=turns, strict=strict)
         return await _openai(events, request, {"sid": sid}, chat=True, stream=body.stream)
     implicit = api.cfg.implicit_sessions and (body.kvsnap is None or body.kvsnap.session != "none")
     user = (body.model_extra or {}).get("user")
@@ -133,21 +137,23 @@ async def _resume_or_open(resumed, open_fresh, used: dict, fresh_sid: str):
 
 @router.post("/v1/completions", summary="OpenAI-compatible; with x-session-id the prompt extends the session's text")
 async def completions(body: CompletionRequest, request: Request):
-    api, tenant, sid, stored, settings = await _openai_request(body, request)
+    api, tenant, sid, stored, entry, settings = await _openai_request(body, request)
     sampling = body.model_dump(include={"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
-    events = complete(api, tenant, sid, body.prompt, sampling, settings, "http", stored, streaming=body.stream)
+    strict = body.kvsnap is not None and body.kvsnap.history == "strict"
+    events = complete(api, tenant, sid, body.prompt, sampling, settings, "http", stored, body.stream, entry, strict)
     return await _openai(events, request, {"sid": sid}, chat=False, stream=body.stream)
 
 
 async def _openai_request(body, request: Request):
-    """What both OpenAI routes need: the tenant, the session (x-session-id) and its message log."""
+    """What the completions route needs: the tenant, the session (x-session-id), its message log
+    and entry, the session settings."""
     if body.n not in (None, 1):
         raise InvalidArgument("only n=1 is supported")
     api, tenant = api_of(request), request.state.tenant
     sid = session_header(request, api)
-    settings = body.kvsnap.model_dump() if body.kvsnap else None
-    stored, _ = await stored_messages(api, tenant, sid)
-    return api, tenant, sid, stored, settings
+    settings = body.kvsnap.model_dump(exclude={"history"}) if body.kvsnap else None
+    stored, entry = await stored_messages(api, tenant, sid)
+    return api, tenant, sid, stored, entry, settings
 
 
 def chat(
@@ -162,7 +168,12 @@ def chat(
     streaming: bool = True,
     expected_version: int = 0,
     conversation: str = "",
+    turns: int = 0,
+    strict: bool = False,
 ) -> AsyncIterator[dict]:
+    """A chat turn: a new session under ``session_id`` (``stored`` None), or the next turn of the
+    session whose logged messages are ``stored``; one whose messages depart from them is served
+    from the last turn boundary they share (``strict``: refused)."""
     params = api.sampling(sampling, template=True)
     if messages[-1]["role"] != "user":
         raise InvalidArgument("the last message must come from the user")
@@ -173,14 +184,29 @@ def chat(
         )
     if any(m["role"] not in CHAT_ROLES for m in stored):
         raise Conflict("this session was built by /v1/completions; continue it there")
+    keep, at = None, len(stored)
     if len(messages) <= len(stored) or messages[: len(stored)] != stored:
-        raise Conflict(
-            f"the messages do not extend session {session_id!r}: send its {len(stored)} "
-            "earlier messages unchanged, then the new ones"
-        )
-    new = messages[len(stored) :]
-    req = api.next_turn(tenant, session_id, api.tokens(new, first=False), params, new, "assistant", expected_version)
+        advice = f"send its {len(stored)} earlier messages unchanged, then the new ones"
+        if strict:
+            raise Conflict(f"the messages do not extend session {session_id!r} (history: strict): {advice}")
+        keep, at = shared_turns(stored, turns, lambda b: messages[:b] == stored[:b] and len(messages) > b)
+        if keep is None:
+            raise Conflict(f"the messages share no whole turn with session {session_id!r}: {advice}")
+    new = messages[at:]
+    tokens = api.tokens(new, first=False)
+    req = api.next_turn(tenant, session_id, tokens, params, new, "assistant", expected_version, keep_turns=keep)
     return api.stream(req, protocol, streaming)
+
+
+def shared_turns(stored: list[dict], turns: int, shares) -> tuple[int | None, int]:
+    """The last turn boundary of a session (``stored`` messages, ``turns`` turns) before its end
+    that a diverging request ``shares`` (called with a count of messages): (the turns to keep,
+    the messages they hold), or (None, 0) when it shares none."""
+    bounds = turn_boundaries(stored, turns)
+    for keep in range(len(bounds) - 1, 0, -1):  # the last boundary is the whole log: not a divergence
+        if shares(bounds[keep - 1]):
+            return keep, bounds[keep - 1]
+    return None, 0
 
 
 def complete(
@@ -193,7 +219,12 @@ def complete(
     protocol: str,
     stored: list[dict] | None,
     streaming: bool = True,
+    entry=None,
+    strict: bool = False,
 ) -> AsyncIterator[dict]:
+    """A raw completion: a new session, or the next turn of the session (``entry``, its logged
+    prompts and completions ``stored``) whose text the prompt extends; a prompt that departs from
+    it is served from the last turn boundary it shares (``strict``: refused)."""
     params = api.sampling(sampling)
     if not prompt:
         raise InvalidArgument("prompt is empty")
@@ -212,13 +243,25 @@ def complete(
         )
     if any(m["role"] not in RAW_ROLES for m in stored):
         raise Conflict("this session was built by the chat API; continue it with /v1/chat/completions")
-    transcript = "".join(m["content"] for m in stored)
-    if not prompt.startswith(transcript) or len(prompt) == len(transcript):
-        raise Conflict(
+
+    def text(upto: int) -> str:
+        return "".join(m["content"] for m in stored[:upto])
+
+    def extends(upto: int) -> bool:
+        return prompt.startswith(text(upto)) and len(prompt) > len(text(upto))
+
+    keep, at = None, len(stored)
+    if not extends(len(stored)):
+        advice = (
             f"the prompt must start with session {session_id!r}'s transcript (its earlier prompts "
             "and completions, as returned) and add new text"
         )
-    new = prompt[len(transcript) :]
+        if strict:
+            raise Conflict(f"{advice} (history: strict)")
+        keep, at = shared_turns(stored, entry.turns if entry else 0, extends)
+        if keep is None:
+            raise Conflict(f"{advice}; it shares no whole turn with it")
+    new = prompt[len(text(at)) :]
     req = api.next_turn(
         tenant,
         session_id,
@@ -226,20 +269,23 @@ def complete(
         params,
         [{"role": "prompt", "content": new}],
         "completion",
+        entry.version if entry else 0,
         templated=False,
+        keep_turns=keep,
     )
     return api.stream(req, protocol, streaming)
 
 
-async def stored_messages(api: SessionAPI, tenant: str, session_id: str | None) -> tuple[list[dict] | None, int]:
-    """The session's message log and version, or (None, 0) when this tenant has no such session (yet)."""
+async def stored_messages(api: SessionAPI, tenant: str, session_id: str | None):
+    """The session's message log and directory entry, or (None, None) when this tenant has no
+    such session (yet)."""
     if not session_id:
-        return None, 0
+        return None, None
     sid = check_id("session id", session_id)
     entry = await asyncio.to_thread(api.directory.get, tenant, sid)
     if entry is None:
-        return None, 0
-    return await asyncio.to_thread(api.directory.messages, tenant, sid), entry.version
+        return None, None
+    return await asyncio.to_thread(api.directory.messages, tenant, sid), entry
 
 
 async def _openai(events, request: Request, session: dict, chat: bool, stream: bool):
@@ -261,6 +307,7 @@ async def _openai(events, request: Request, session: dict, chat: bool, stream: b
             "session_id": o.session_id,
             "worker": o.worker,
             "source": o.source,
+            "replayed_tokens": o.replayed_tokens,  # > 0: taken back to a turn boundary first (a rewind)
             "state": state_view(o.state) if o.state else None,
         }
 

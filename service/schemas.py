@@ -117,9 +117,21 @@ class ChatMessage(BaseModel):
     content: str
 
 
-class ChatSettings(Settings):
-    """The ``kvsnap`` object of a chat request: session settings (for a new session), and whether
-    a request without a session header may resume a session whose conversation it extends."""
+class CompletionSettings(Settings):
+    """The ``kvsnap`` object of an OpenAI request: session settings (for a new session), and what
+    a request that diverges from its session's history gets."""
+
+    history: Literal["rewind", "strict"] | None = Field(
+        None,
+        description="rewind (default): a request whose messages (or prompt) depart from the session's "
+        "history is served from the last turn boundary they share, the turns after it replaced; "
+        "strict: such a request is refused (409)",
+    )
+
+
+class ChatSettings(CompletionSettings):
+    """The ``kvsnap`` object of a chat request: as for completions, and whether a request without
+    a session header may resume a session whose conversation it extends."""
 
     session: Literal["auto", "none"] | None = Field(
         None,
@@ -146,4 +158,4 @@ class CompletionRequest(SamplingFields):
     prompt: str
     stream: bool = False
     n: int | None = None
-    kvsnap: Settings | None = None
+    kvsnap: CompletionSettings | None = None

@@ -163,6 +163,7 @@ class SessionDirectory:
         self._create = self.client.register_script(scripts.CREATE)
         self._commit = self.client.register_script(scripts.COMMIT)
         self._restore = self.client.register_script(scripts.RESTORE)
+        self._rewrite = self.client.register_script(scripts.REWRITE)
         self._set_tier = self.client.register_script(scripts.SET_TIER)
 
     # -- keys ----------------------------------------------------------------------------
@@ -268,17 +269,33 @@ class SessionDirectory:
     ) -> SessionEntry:
         """Compare-and-set: write ``entry`` and append ``new_tokens`` iff the stored version is
         ``expected_version``. Raises Conflict when another writer got there first, NotFound when gone."""
-        entry.last_used = time.time()
         entry.log_len += len(new_tokens)
+        return self._cas(self._commit, entry, expected_version, new_tokens, new_messages, new_marks)
+
+    def rewrite(
+        self,
+        entry: SessionEntry,
+        expected_version: int,
+        tokens: list[int],
+        messages: list[dict],
+        marks: list[TurnMark],
+    ) -> SessionEntry:
+        """As :meth:`commit`, for a session taken back to a turn boundary and given a new turn:
+        the whole token log, message log and marks replace the stored ones."""
+        entry.log_len = len(tokens)
+        return self._cas(self._rewrite, entry, expected_version, tokens, messages, marks)
+
+    def _cas(self, script, entry: SessionEntry, expected_version: int, tokens, messages, marks) -> SessionEntry:
+        entry.last_used = time.time()
         result = self._call(
-            self._commit,
+            script,
             keys=self.session_keys(entry.tenant, entry.session_id),
             args=[
                 self.session_ttl_s,
                 expected_version,
-                pack_tokens(new_tokens),
-                _pack_messages(new_messages),
-                _pack_marks(new_marks),
+                pack_tokens(tokens),
+                _pack_messages(messages),
+                _pack_marks(marks),
                 *entry.fields_flat(),
             ],
         )

@@ -65,6 +65,27 @@ return 1
 """
 )
 
+# A session taken back to one of its turn boundaries and given a new turn from there (a
+# request that diverged from its history): the whole logs are replaced, compare-and-set on
+# the version as a commit. ARGV: ttl, expected version, whole token log, whole message log,
+# all marks, field/value pairs...
+REWRITE = (
+    """
+local v = redis.call('HGET', KEYS[1], 'version')
+if not v then return -1 end
+if tonumber(v) ~= tonumber(ARGV[2]) then return -2 end
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+for i = 2, 4 do
+  if ARGV[i + 1] ~= '' then redis.call('RPUSH', KEYS[i], ARGV[i + 1]) end
+end
+local nv = tonumber(v) + 1
+redis.call('HSET', KEYS[1], 'version', nv, unpack(ARGV, 6))
+"""
+    + TTL
+    + """
+return nv
+"""
+)
 
 # Where a session's KV now lies, after its holder demoted it: written only while the entry
 # still names that holder (a newer owner's entry is left alone). ARGV: owner, epoch, tier.

@@ -1,0 +1,189 @@
+"""A request that departs from its session's history is served from the last turn boundary it
+shares: the session goes back to the end of that turn, replayed from its token log as a rebuild
+replays it (each turn prefilled and compressed where it ran, so the compressed KV is exactly
+the one the session had there), and the turns after it are replaced by the new one."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import requests
+import torch
+
+from kvsnap.actors.turns import TurnRequest, turn_boundaries
+from kvsnap.actors.worker import Worker
+from kvsnap.engine import SamplingParams
+from kvsnap.errors import Conflict
+from kvsnap.policies import make_policy
+from kvsnap.service.template import encode_messages
+from kvsnap.store.tiers import build_store
+
+DOC = "Foxes are small omnivorous mammals. The pass key is 48213. Foxes live in dens and hunt at night. " * 3
+SNAPKV = {"policy": "snapkv", "budget": 16, "window": 4, "kernel": 3}
+
+
+def user(q: str) -> dict:
+    return {"role": "user", "content": q}
+
+
+def test_turn_boundaries_come_from_the_answers_and_an_opening_document():
+    doc, a = {"role": "document", "content": "d"}, {"role": "assistant", "content": "a"}
+    assert turn_boundaries([doc, user("q"), a, user("r"), a], 3) == [1, 3, 5]  # opened with a document
+    sys = {"role": "system", "content": "s"}
+    assert turn_boundaries([sys, user("q"), a, user("r"), a], 2) == [3, 5]  # opened with a question
+    raw = [{"role": "prompt", "content": "p"}, {"role": "completion", "content": "c"}] * 2
+    assert turn_boundaries(raw, 2) == [2, 4]
+    assert turn_boundaries([doc], 1) == [1]
+    assert turn_boundaries([doc, user("q"), a], 5) == []  # the log does not say: no rewinds
+    assert turn_boundaries([doc, user("q")], 1) == []  # does not end on a turn
+
+
+def _conversation(worker: Worker, tok, sid: str, questions: list[str], policy) -> list:
+    """A session opened with DOC, then one turn per question; the turns' results."""
+    doc = [{"role": "document", "content": DOC}]
+    worker.open("acme", sid, encode_messages(tok, doc, True), policy, log=doc)
+    sampling = SamplingParams(max_new_tokens=5)
+    return [
+        worker.turn(
+            "acme", sid, encode_messages(tok, [user(q)], False), sampling, log=[user(q)], answer_role="assistant"
+        )
+        for q in questions
+    ]
+
+
+def test_a_worker_takes_a_compressed_session_back_to_a_turn_boundary_exactly(llama_engine, directory_factory):
+    directory = directory_factory()
+    worker = Worker(llama_engine, directory, build_store(10**8, 10**8), "w-rewind")
+    twin = Worker(llama_engine, directory, build_store(10**8, 10**8), "w-twin")
+    tok, policy = llama_engine.tokenizer, make_policy("snapkv", budget=16, window=4, kernel=3)
+    _conversation(worker, tok, "s", ["What is the pass key?", "Where do foxes live?", "When do they hunt?"], policy)
+    want = _conversation(twin, tok, "t", ["What is the pass key?", "Do foxes swim?", "Say the key again."], policy)
+    before = directory.get("acme", "s")
+    assert before.turns == 4
+
+    question = user("Do foxes swim?")
+    two_turns = sum(m.prompt + m.generated for m in directory.marks("acme", "s")[:2])  # the document, turn 1
+    stale = TurnRequest(
+        "acme", "s", encode_messages(tok, [question], False), SamplingParams(max_new_tokens=5),
+        log=[question], answer_role="assistant", expected_version=before.version - 1, keep_turns=2,
+    )  # fmt: skip
+    with pytest.raises(Conflict):  # built on an older version: refused, nothing changed
+        worker.run(stale)
+    with pytest.raises(Conflict, match="cannot be taken back"):  # not a boundary before the end
+        worker.run(
+            TurnRequest("acme", "s", stale.tokens, stale.sampling, expected_version=before.version, keep_turns=4)
+        )
+    assert directory.get("acme", "s").version == before.version
+
+    rewound = worker.run(
+        TurnRequest(
+            "acme",
+            "s",
+            stale.tokens,
+            stale.sampling,
+            log=[question],
+            answer_role="assistant",
+            expected_version=before.version,
+            keep_turns=2,
+        )  # fmt: skip
+    )
+    assert rewound.source == "rewound" and rewound.tokens == want[1].tokens
+    assert rewound.report.replayed_tokens == two_turns > 0
+    after = directory.get("acme", "s")
+    assert after.version == before.version + 1 and after.turns == 3
+    # the logs are the twin's: tokens, marks, messages (the replaced turns are gone)
+    assert directory.tokens("acme", "s") == directory.tokens("acme", "t")[: after.log_len]
+    assert directory.marks("acme", "s") == directory.marks("acme", "t")[:3]
+    assert [m["content"] for m in directory.messages("acme", "s")] == [
+        m["content"] for m in directory.messages("acme", "t")[:5]
+    ]
+    assert worker.held["acme/s"].entry.logical_len == directory.marks("acme", "t")[2].logical_len
+    # it goes on as the twin did, from its device tier, and then holds the twin's KV bit for bit
+    again = worker.turn(
+        "acme", "s", encode_messages(tok, [user("Say the key again.")], False), SamplingParams(max_new_tokens=5)
+    )
+    assert again.source == "device" and again.tokens == want[2].tokens
+    mine, theirs = worker.sessions.tiers.get("acme/s"), twin.sessions.tiers.get("acme/t")
+    assert mine.logical_len == theirs.logical_len and len(mine.tensors) == len(theirs.tensors) > 0
+    assert all(torch.equal(a, b) for a, b in zip(mine.tensors, theirs.tensors, strict=True))
+
+
+def _chat(client, sid: str, messages: list[dict], **kvsnap):
+    return client.chat.completions.with_raw_response.create(
+        model="tiny-llama",
+        messages=messages,
+        max_tokens=5,
+        extra_headers={"x-session-id": sid},
+        extra_body={"kvsnap": SNAPKV | kvsnap},
+    )
+
+
+def test_a_diverging_chat_is_served_from_the_last_shared_turn(service, llama_engine):
+    """Through the OpenAI route: the client edits its last question (a new branch); the answer
+    equals a session that took that branch from the start, and only the new message is prefilled
+    (the shared turns are replayed from the log, reported as ``replayed_tokens``)."""
+    client = openai.OpenAI(base_url=f"{service.http}/v1", api_key="key-alpha")
+    tok = llama_engine.tokenizer
+
+    def converse(sid: str, questions: list[str]) -> list[dict]:
+        messages = [{"role": "system", "content": DOC}]
+        for q in questions:
+            messages.append(user(q))
+            raw = _chat(client, sid, messages)
+            messages.append({"role": "assistant", "content": raw.parse().choices[0].message.content})
+        return messages
+
+    asked = converse("rw-a", ["What is the pass key?", "Where do foxes live?"])
+    branch = converse("rw-b", ["What is the pass key?", "Do foxes swim?"])  # the branch, taken from the start
+    edited = [*asked[:3], user("Do foxes swim?")]
+    headers = {"Authorization": "Bearer key-alpha"}
+    state = requests.get(f"{service.http}/v1/sessions/rw-a", headers=headers).json()
+
+    refused = requests.post(
+        f"{service.http}/v1/chat/completions",
+        headers=headers | {"x-session-id": "rw-a"},
+        json={"model": "m", "messages": edited, "max_tokens": 5, "kvsnap": SNAPKV | {"history": "strict"}},
+    )
+    assert refused.status_code == 409 and "strict" in refused.json()["error"]["message"]
+    assert requests.get(f"{service.http}/v1/sessions/rw-a", headers=headers).json() == state  # untouched
+
+    raw = _chat(client, "rw-a", edited)
+    answer, extra = raw.parse(), raw.http_response.json()["kvsnap"]
+    assert answer.choices[0].message.content == branch[-1]["content"]
+    assert extra["source"] == "rewound" and extra["replayed_tokens"] > 0
+    assert answer.usage.prompt_tokens == len(encode_messages(tok, [user("Do foxes swim?")], False)) + 1
+    assert raw.http_response.headers["x-session-id"] == "rw-a"
+    now = requests.get(f"{service.http}/v1/sessions/rw-a", headers=headers).json()
+    assert now["turns"] == 2 and now["version"] == state["version"] + 1
+
+    # the conversation goes on from the new branch, as the twin's does
+    follow = [*branch, user("And the key?")]
+    got = _chat(client, "rw-a", follow).parse().choices[0].message.content
+    assert got == _chat(client, "rw-b", follow).parse().choices[0].message.content
+
+
+def test_a_diverging_completion_prompt_is_served_from_the_last_shared_turn(service):
+    """``/v1/completions``: a prompt that keeps the first prompt and completion but not the
+    second turn goes back to the end of the first."""
+    client = openai.OpenAI(base_url=f"{service.http}/v1", api_key="key-alpha")
+
+    def complete(sid: str, prompt: str):
+        raw = client.completions.with_raw_response.create(
+            model="tiny-llama", prompt=prompt, max_tokens=4, extra_headers={"x-session-id": sid},
+            extra_body={"kvsnap": SNAPKV},
+        )  # fmt: skip
+        return raw.parse().choices[0].text, raw.http_response.json()["kvsnap"]
+
+    first, _ = complete("rwc-a", DOC)
+    complete("rwc-a", DOC + first + " Where?")
+    twin_first, _ = complete("rwc-b", DOC)
+    assert twin_first == first
+    want, _ = complete("rwc-b", DOC + first + " Who?")
+    got, extra = complete("rwc-a", DOC + first + " Who?")
+    assert got == want and extra["source"] == "rewound"
+    unrelated = requests.post(
+        f"{service.http}/v1/completions",
+        headers={"Authorization": "Bearer key-alpha", "x-session-id": "rwc-a"},
+        json={"model": "m", "prompt": "Something else entirely.", "max_tokens": 2},
+    )
+    assert unrelated.status_code == 409 and "shares no whole turn" in unrelated.json()["error"]["message"]
