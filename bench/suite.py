@@ -5,7 +5,8 @@ Phases (each in its own process with its own local Ray, embedded Redis and Serve
 - resume:       TTFT of a follow-up turn on a held session vs the same turn re-prefilled
                 whole (what a stateless server does), at each --lengths, interleaved.
 - concurrency:  the most sessions of --context tokens held resident in a --device-mib device
-                tier (one replica) before the first demotion, SnapKV (--budget) vs full KV;
+                tier (one replica) before the first demotion, SnapKV (--budget) vs full KV
+                (--kivi: also SnapKV with the device tier KIVI 2-bit quantized);
                 then the load generator at that many users: turns/s, p99 TTFT, rebuilds.
 - routing:      the load generator with --users sessions of --routing-context tokens on
                 --routing-replicas replicas (2), cache-affinity routing vs round-robin.
@@ -190,6 +191,8 @@ def child(args) -> dict:
         )
     if name == "concurrency":
         settings = {"policy": "full"} if variant == "full" else {"policy": "snapkv", "budget": args.budget}
+        # kivi2: SnapKV's rows 2-bit quantized in the device tier too (KIVI; lossy)
+        quant = dict(kv_quant="kivi2", kv_quant_device=True) if variant == "kivi2" else {}
         return in_own_ray(
             concurrency_phase,
             args.model,
@@ -202,6 +205,7 @@ def child(args) -> dict:
             cpus_per_replica=2,
             device_tier_mib=args.device_mib,
             host_tier_mib=4096,
+            **quant,
         )
     if name == "routing":
         return in_own_ray(
@@ -235,13 +239,13 @@ def print_tables(r: dict, args) -> None:
         print(f"\nconcurrency gain ({args.model}, {args.context}-token sessions, {args.device_mib} MiB device tier)")
         cols = f"{'KV/session MiB':>15} {'resident':>9} {'turns/s':>8} {'p99 TTFT ms':>12} {'rebuilds':>9}"
         print(f"{'policy':10} {cols}")
-        for name in ("full", "snapkv"):
+        for name in [n for n in ("full", "snapkv", "kivi2") if n in c]:
             v = c[name]
             print(
                 f"{name:10} {v['kv_bytes_per_session'] / 2**20:>15.2f} {v['resident']:>8}{'+' if v['capped'] else ' '}"
                 f" {v['load']['turns_per_s']:>8.2f} {v['load']['ttft_s']['p99'] * 1e3:>12.1f} {v['rebuilds']:>9}"
             )
-        print(f"gain: {c['gain']:.2f}x sessions")
+        print(f"gain: {c['gain']:.2f}x sessions" + (f"; with kivi2: {c['kivi2_gain']:.2f}x" if "kivi2" in c else ""))
     if "routing" in r:
         g = r["routing"]
         shape = (
@@ -277,7 +281,8 @@ def plot(r: dict, path: Path) -> None:
             ax.legend(fontsize=8)
         elif name == "concurrency":
             c = r["concurrency"]
-            ax.bar(["full", "snapkv"], [c["full"]["resident"], c["snapkv"]["resident"]], color=["grey", "tab:blue"])
+            names = [n for n in ("full", "snapkv", "kivi2") if n in c]
+            ax.bar(names, [c[n]["resident"] for n in names], color=["grey", "tab:blue", "tab:green"][: len(names)])
             ax.set(ylabel="sessions resident", title=f"concurrency gain {c['gain']:.1f}x")
         else:
             g = r["routing"]
@@ -296,6 +301,7 @@ def main() -> None:
     for name, value in FULL.items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
     ap.add_argument("--quality-args", default="", help="extra `kvsnap eval` arguments")
+    ap.add_argument("--kivi", action="store_true", help="concurrency: also SnapKV with a kivi2-quantized device tier")
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # a child process
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs" / "results"))
     args = ap.parse_args()
@@ -326,6 +332,9 @@ def main() -> None:
     if "concurrency" in phases:
         c = {"full": phase("concurrency:full"), "snapkv": phase("concurrency:snapkv")}
         c["gain"] = c["snapkv"]["resident"] / max(1, c["full"]["resident"])
+        if args.kivi:
+            c["kivi2"] = phase("concurrency:kivi2")
+            c["kivi2_gain"] = c["kivi2"]["resident"] / max(1, c["full"]["resident"])
         result["concurrency"] = c
     if "routing" in phases:
         g = {"affinity": phase("routing:affinity"), "round_robin": phase("routing:round_robin")}
