@@ -190,10 +190,8 @@ def chat(
         if strict:
             raise Conflict(f"the messages do not extend session {session_id!r} (history: strict): {advice}")
         keep, at = shared_turns(stored, turns, lambda b: messages[:b] == stored[:b] and len(messages) > b)
-        if keep is None:
-            raise Conflict(f"the messages share no whole turn with session {session_id!r}: {advice}")
     new = messages[at:]
-    tokens = api.tokens(new, first=False)
+    tokens = api.tokens(new, first=keep == 0)
     req = api.next_turn(tenant, session_id, tokens, params, new, "assistant", expected_version, keep_turns=keep)
     return api.stream(req, protocol, streaming)
 
@@ -201,12 +199,12 @@ def chat(
 def shared_turns(stored: list[dict], turns: int, shares) -> tuple[int | None, int]:
     """The last turn boundary of a session (``stored`` messages, ``turns`` turns) before its end
     that a diverging request ``shares`` (called with a count of messages): (the turns to keep,
-    the messages they hold), or (None, 0) when it shares none."""
+    the messages they hold); (0, 0) when it shares none (the session starts over)."""
     bounds = turn_boundaries(stored, turns)
     for keep in range(len(bounds) - 1, 0, -1):  # the last boundary is the whole log: not a divergence
         if shares(bounds[keep - 1]):
             return keep, bounds[keep - 1]
-    return None, 0
+    return 0, 0
 
 
 def complete(
@@ -259,13 +257,11 @@ def complete(
         if strict:
             raise Conflict(f"{advice} (history: strict)")
         keep, at = shared_turns(stored, entry.turns if entry else 0, extends)
-        if keep is None:
-            raise Conflict(f"{advice}; it shares no whole turn with it")
     new = prompt[len(text(at)) :]
     req = api.next_turn(
         tenant,
         session_id,
-        api.raw_tokens(new, first=False),
+        api.raw_tokens(new, first=keep == 0),
         params,
         [{"role": "prompt", "content": new}],
         "completion",

@@ -164,7 +164,7 @@ def test_a_diverging_chat_is_served_from_the_last_shared_turn(service, llama_eng
 
 def test_a_diverging_completion_prompt_is_served_from_the_last_shared_turn(service):
     """``/v1/completions``: a prompt that keeps the first prompt and completion but not the
-    second turn goes back to the end of the first."""
+    second turn goes back to the end of the first; one that keeps nothing starts over."""
     client = openai.OpenAI(base_url=f"{service.http}/v1", api_key="key-alpha")
 
     def complete(sid: str, prompt: str):
@@ -181,9 +181,13 @@ def test_a_diverging_completion_prompt_is_served_from_the_last_shared_turn(servi
     want, _ = complete("rwc-b", DOC + first + " Who?")
     got, extra = complete("rwc-a", DOC + first + " Who?")
     assert got == want and extra["source"] == "rewound"
-    unrelated = requests.post(
+    # a prompt that shares no whole turn starts the session over (its id and settings stay)
+    fresh, extra = complete("rwc-a", "Something else entirely.")
+    assert extra["source"] == "rewound" and extra["replayed_tokens"] == 0
+    assert extra["state"]["turns"] == 1 and fresh == complete("rwc-c", "Something else entirely.")[0]
+    strict = requests.post(
         f"{service.http}/v1/completions",
         headers={"Authorization": "Bearer key-alpha", "x-session-id": "rwc-a"},
-        json={"model": "m", "prompt": "Something else entirely.", "max_tokens": 2},
+        json={"model": "m", "prompt": "Not this either.", "max_tokens": 2, "kvsnap": {"history": "strict"}},
     )
-    assert unrelated.status_code == 409 and "shares no whole turn" in unrelated.json()["error"]["message"]
+    assert strict.status_code == 409 and "strict" in strict.json()["error"]["message"]
