@@ -163,7 +163,6 @@ class SessionDirectory:
         self._create = self.client.register_script(scripts.CREATE)
         self._commit = self.client.register_script(scripts.COMMIT)
         self._restore = self.client.register_script(scripts.RESTORE)
-        self._rewrite = self.client.register_script(scripts.REWRITE)
         self._set_tier = self.client.register_script(scripts.SET_TIER)
 
     # -- keys ----------------------------------------------------------------------------
@@ -270,7 +269,7 @@ class SessionDirectory:
         """Compare-and-set: write ``entry`` and append ``new_tokens`` iff the stored version is
         ``expected_version``. Raises Conflict when another writer got there first, NotFound when gone."""
         entry.log_len += len(new_tokens)
-        return self._cas(self._commit, entry, expected_version, new_tokens, new_messages, new_marks)
+        return self._cas(entry, expected_version, False, new_tokens, new_messages, new_marks)
 
     def rewrite(
         self,
@@ -283,16 +282,17 @@ class SessionDirectory:
         """As :meth:`commit`, for a session taken back to a turn boundary and given a new turn:
         the whole token log, message log and marks replace the stored ones."""
         entry.log_len = len(tokens)
-        return self._cas(self._rewrite, entry, expected_version, tokens, messages, marks)
+        return self._cas(entry, expected_version, True, tokens, messages, marks)
 
-    def _cas(self, script, entry: SessionEntry, expected_version: int, tokens, messages, marks) -> SessionEntry:
+    def _cas(self, entry: SessionEntry, expected_version: int, replace: bool, tokens, messages, marks) -> SessionEntry:
         entry.last_used = time.time()
         result = self._call(
-            script,
+            self._commit,
             keys=self.session_keys(entry.tenant, entry.session_id),
             args=[
                 self.session_ttl_s,
                 expected_version,
+                int(replace),
                 pack_tokens(tokens),
                 _pack_messages(messages),
                 _pack_marks(marks),

@@ -28,17 +28,20 @@ return 1
 """
 )
 
-# ARGV: ttl, expected version, token chunk, message chunk, marks chunk, field/value pairs...
+# ARGV: ttl, expected version, replace, token chunk, message chunk, marks chunk, field/value
+# pairs... replace "1": the chunks are the whole logs, which they replace (a session taken
+# back to one of its turn boundaries and given a new turn from there); else they are appended.
 COMMIT = (
     """
 local v = redis.call('HGET', KEYS[1], 'version')
 if not v then return -1 end
 if tonumber(v) ~= tonumber(ARGV[2]) then return -2 end
+if ARGV[3] == '1' then redis.call('DEL', KEYS[2], KEYS[3], KEYS[4]) end
 for i = 2, 4 do
-  if ARGV[i + 1] ~= '' then redis.call('RPUSH', KEYS[i], ARGV[i + 1]) end
+  if ARGV[i + 2] ~= '' then redis.call('RPUSH', KEYS[i], ARGV[i + 2]) end
 end
 local nv = tonumber(v) + 1
-redis.call('HSET', KEYS[1], 'version', nv, unpack(ARGV, 6))
+redis.call('HSET', KEYS[1], 'version', nv, unpack(ARGV, 7))
 """
     + TTL
     + """
@@ -62,28 +65,6 @@ redis.call('HSET', KEYS[1], 'version', ARGV[2], unpack(ARGV, 6))
     + TTL
     + """
 return 1
-"""
-)
-
-# A session taken back to one of its turn boundaries and given a new turn from there (a
-# request that diverged from its history): the whole logs are replaced, compare-and-set on
-# the version as a commit. ARGV: ttl, expected version, whole token log, whole message log,
-# all marks, field/value pairs...
-REWRITE = (
-    """
-local v = redis.call('HGET', KEYS[1], 'version')
-if not v then return -1 end
-if tonumber(v) ~= tonumber(ARGV[2]) then return -2 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
-for i = 2, 4 do
-  if ARGV[i + 1] ~= '' then redis.call('RPUSH', KEYS[i], ARGV[i + 1]) end
-end
-local nv = tonumber(v) + 1
-redis.call('HSET', KEYS[1], 'version', nv, unpack(ARGV, 6))
-"""
-    + TTL
-    + """
-return nv
 """
 )
 
