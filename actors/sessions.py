@@ -179,8 +179,7 @@ class SessionStore:
     def rewound(self, key: str, entry: SessionEntry, keep: int) -> tuple[Session, list[dict], int]:
         """The session as it was after its first ``keep`` turns (a request diverged from its
         history there), replayed from its logs as a rebuild does: each turn prefilled and
-        compressed where it ran, so the KV is exactly the one the session had at that boundary
-        (``keep`` 0: empty, the session starts over).
+        compressed where it ran, so the KV is exactly the one the session had at that boundary.
         Returns it, the messages it kept, and the tokens replayed. What is held stays until the
         new turn commits (the logs are then rewritten: :meth:`commit` with ``kept``)."""
         with self.lock:
@@ -192,11 +191,7 @@ class SessionStore:
         if not current:
             tokens, marks = self._log(entry)
             messages = self.directory.messages(entry.tenant, entry.session_id)
-        session = self.engine.new_session(policy, entry.recompress, entry.session_id)
-        if keep == 0:  # nothing shared: the session starts over (its id and settings stay)
-            self.counters["rewinds"] += 1
-            return session, [], 0
-        bounds = turn_boundaries(messages, len(marks))
+        bounds = turn_boundaries(messages, marks)
         if not bounds or len(marks) != entry.turns or not 0 < keep < len(marks) or not marks_cover(marks, len(tokens)):
             raise Conflict(
                 f"session {entry.session_id!r} cannot be taken back to its turn {keep} "
@@ -204,6 +199,7 @@ class SessionStore:
             )
         kept = marks[:keep]
         replayed = sum(m.prompt + m.generated for m in kept)
+        session = self.engine.new_session(policy, entry.recompress, entry.session_id)
         with self.model_lock:
             self.engine.rebuild(session, tokens[:replayed], kept[-1].logical_len, kept)
         session.turns = keep
@@ -292,6 +288,8 @@ class SessionStore:
             updated.tier = self.tiers.put(key, blob) or "dropped"
             self._store_full_copy(key, session, expected + 1)
             held = self.held.get(key)
+            if session.marks:  # the turn's mark counts its messages: where a later rewind can end
+                session.marks[-1].messages = len(messages)
             all_messages = (self._messages_before(entry, held) if kept is None else kept) + messages
             try:  # one commit per turn: its mark is the session's last
                 if kept is None:

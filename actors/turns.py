@@ -63,19 +63,14 @@ class TurnRequest:
         return self.sampling.stop if self.sampling is not None else ()
 
 
-ANSWER_ROLES = ("assistant", "completion")
-OPENING_ROLES = ("system", "document", "prompt")  # what a session opened without a question holds
-
-
-def turn_boundaries(messages: list[dict], turns: int) -> list[int]:
-    """How many of a session's logged ``messages`` its first 1, 2, ... ``turns`` turns hold: the
-    points a diverging request can take the session back to. Every turn ends with its answer,
-    except a first turn that only opened the session with a document (no answer). Empty when
-    the log does not say (a log that does not end on a turn boundary)."""
-    ends = [i + 1 for i, m in enumerate(messages) if m.get("role") in ANSWER_ROLES]
-    if turns == len(ends) + 1:  # opened with a document alone: its messages come before any question
-        opening = next((i for i, m in enumerate(messages) if m.get("role") not in OPENING_ROLES), len(messages))
-        ends = [opening, *ends] if opening else []
-    if len(ends) != turns or not ends or ends[-1] != len(messages) or ends != sorted(set(ends)):
-        return []
-    return ends
+def turn_boundaries(messages: list[dict], marks: list) -> list[int]:
+    """How many of a session's logged ``messages`` its first 1, 2, ... turns hold (each turn's
+    mark counts the messages it logged): the points a diverging request can take the session
+    back to. Empty when the log does not say (a turn logged before marks counted messages)."""
+    ends, total = [], 0
+    for mark in marks:
+        if mark.messages < 0:
+            return []
+        total += mark.messages
+        ends.append(total)
+    return ends if ends and total == len(messages) else []

@@ -46,14 +46,18 @@ class TurnMark:
     logical_len: int  # tokens in the KV when the turn ended
     reselected: bool = True  # a Reselect policy's turn: selected from a full copy (False: it had none)
     stopped_on: str = ""  # the stop string the answer ended on ("" when none did)
+    messages: int = -1  # messages the turn added to the session's message log (-1: not known)
 
     def to_list(self) -> list:
-        return [self.prompt, self.generated, self.logical_len, int(self.reselected), self.stopped_on]
+        return [self.prompt, self.generated, self.logical_len, int(self.reselected), self.stopped_on, self.messages]
 
     @classmethod
     def from_list(cls, values: list) -> TurnMark:
         prompt, generated, logical_len, reselected = (int(v) for v in values[:4])
-        return cls(prompt, generated, logical_len, bool(reselected), str(values[4]) if len(values) > 4 else "")
+        stopped_on = str(values[4]) if len(values) > 4 else ""
+        return cls(
+            prompt, generated, logical_len, bool(reselected), stopped_on, int(values[5]) if len(values) > 5 else -1
+        )
 
 
 def marks_cover(marks: list[TurnMark], transcript_len: int) -> bool:

@@ -27,12 +27,16 @@ def ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
         return 32768
 
 
+_handed_out: set[int] = set()  # this process's draws, bound or not yet: never handed out twice
+
+
 def free_port(tries: int = 200) -> int:
     """A port no listener holds now, outside the ephemeral range where it can be."""
     high = ephemeral_low()
     for _ in range(tries if high - LOW > 1000 else 0):
         port = random.randrange(LOW, high)
-        if _bindable(port):
+        if port not in _handed_out and _bindable(port):
+            _handed_out.add(port)
             return port
     with socket.socket() as s:  # a machine whose ephemeral range starts low: the kernel's choice
         s.bind(("", 0))

@@ -54,10 +54,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     strict = body.kvsnap is not None and body.kvsnap.history == "strict"
     sid = session_header(request, api)
     if sid is not None:  # the client names its session
-        stored, entry = await stored_messages(api, tenant, sid)
-        version, turns = (entry.version, entry.turns) if entry else (0, 0)
-        args = (api, tenant, sid, messages, sampling, settings, "http", stored, body.stream, version)
-        events = chat(*args, turns=turns, strict=strict)
+        stored, entry, marks = await stored_messages(api, tenant, sid)
+        args = (
+            api,
+            tenant,
+            sid,
+            messages,
+            sampling,
+            settings,
+            "http",
+            stored,
+            body.stream,
+            entry.version if entry else 0,
+        )
+        events = chat(*args, marks=marks, strict=strict)
         return await _openai(events, request, {"sid": sid}, chat=True, stream=body.stream)
     implicit = api.cfg.implicit_sessions and (body.kvsnap is None or body.kvsnap.session != "none")
     user = (body.model_extra or {}).get("user")
@@ -137,10 +147,11 @@ async def _resume_or_open(resumed, open_fresh, used: dict, fresh_sid: str):
 
 @router.post("/v1/completions", summary="OpenAI-compatible; with x-session-id the prompt extends the session's text")
 async def completions(body: CompletionRequest, request: Request):
-    api, tenant, sid, stored, entry, settings = await _openai_request(body, request)
+    api, tenant, sid, stored, entry, marks, settings = await _openai_request(body, request)
     sampling = body.model_dump(include={"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
     strict = body.kvsnap is not None and body.kvsnap.history == "strict"
-    events = complete(api, tenant, sid, body.prompt, sampling, settings, "http", stored, body.stream, entry, strict)
+    args = (api, tenant, sid, body.prompt, sampling, settings, "http", stored, body.stream)
+    events = complete(*args, entry=entry, marks=marks, strict=strict)
     return await _openai(events, request, {"sid": sid}, chat=False, stream=body.stream)
 
 
@@ -152,8 +163,8 @@ async def _openai_request(body, request: Request):
     api, tenant = api_of(request), request.state.tenant
     sid = session_header(request, api)
     settings = body.kvsnap.model_dump(exclude={"history"}) if body.kvsnap else None
-    stored, entry = await stored_messages(api, tenant, sid)
-    return api, tenant, sid, stored, entry, settings
+    stored, entry, marks = await stored_messages(api, tenant, sid)
+    return api, tenant, sid, stored, entry, marks, settings
 
 
 def chat(
@@ -168,7 +179,7 @@ def chat(
     streaming: bool = True,
     expected_version: int = 0,
     conversation: str = "",
-    turns: int = 0,
+    marks: list | None = None,
     strict: bool = False,
 ) -> AsyncIterator[dict]:
     """A chat turn: a new session under ``session_id`` (``stored`` None), or the next turn of the
@@ -189,22 +200,24 @@ def chat(
         advice = f"send its {len(stored)} earlier messages unchanged, then the new ones"
         if strict:
             raise Conflict(f"the messages do not extend session {session_id!r} (history: strict): {advice}")
-        keep, at = shared_turns(stored, turns, lambda b: messages[:b] == stored[:b] and len(messages) > b)
+        keep, at = shared_turns(stored, marks, lambda b: messages[:b] == stored[:b] and len(messages) > b)
+        if keep is None:
+            raise Conflict(f"the messages share no whole turn with session {session_id!r}: {advice}")
     new = messages[at:]
-    tokens = api.tokens(new, first=keep == 0)
+    tokens = api.tokens(new, first=False)
     req = api.next_turn(tenant, session_id, tokens, params, new, "assistant", expected_version, keep_turns=keep)
     return api.stream(req, protocol, streaming)
 
 
-def shared_turns(stored: list[dict], turns: int, shares) -> tuple[int | None, int]:
-    """The last turn boundary of a session (``stored`` messages, ``turns`` turns) before its end
-    that a diverging request ``shares`` (called with a count of messages): (the turns to keep,
-    the messages they hold); (0, 0) when it shares none (the session starts over)."""
-    bounds = turn_boundaries(stored, turns)
+def shared_turns(stored: list[dict], marks: list | None, shares) -> tuple[int | None, int]:
+    """The last turn boundary of a session (``stored`` messages, its turns' ``marks``) before its
+    end that a diverging request ``shares`` (called with a count of messages): (the turns to
+    keep, the messages they hold), or (None, 0) when it shares none."""
+    bounds = turn_boundaries(stored, marks or [])
     for keep in range(len(bounds) - 1, 0, -1):  # the last boundary is the whole log: not a divergence
         if shares(bounds[keep - 1]):
             return keep, bounds[keep - 1]
-    return 0, 0
+    return None, 0
 
 
 def complete(
@@ -218,6 +231,7 @@ def complete(
     stored: list[dict] | None,
     streaming: bool = True,
     entry=None,
+    marks: list | None = None,
     strict: bool = False,
 ) -> AsyncIterator[dict]:
     """A raw completion: a new session, or the next turn of the session (``entry``, its logged
@@ -256,12 +270,14 @@ def complete(
         )
         if strict:
             raise Conflict(f"{advice} (history: strict)")
-        keep, at = shared_turns(stored, entry.turns if entry else 0, extends)
+        keep, at = shared_turns(stored, marks, extends)
+        if keep is None:
+            raise Conflict(f"{advice}; it shares no whole turn with it")
     new = prompt[len(text(at)) :]
     req = api.next_turn(
         tenant,
         session_id,
-        api.raw_tokens(new, first=keep == 0),
+        api.raw_tokens(new, first=False),
         params,
         [{"role": "prompt", "content": new}],
         "completion",
@@ -273,15 +289,16 @@ def complete(
 
 
 async def stored_messages(api: SessionAPI, tenant: str, session_id: str | None):
-    """The session's message log and directory entry, or (None, None) when this tenant has no
-    such session (yet)."""
+    """The session's message log, directory entry and turn marks, or (None, None, None) when
+    this tenant has no such session (yet)."""
     if not session_id:
-        return None, None
+        return None, None, None
     sid = check_id("session id", session_id)
     entry = await asyncio.to_thread(api.directory.get, tenant, sid)
     if entry is None:
-        return None, None
-    return await asyncio.to_thread(api.directory.messages, tenant, sid), entry
+        return None, None, None
+    messages, marks = await asyncio.to_thread(api.directory.messages_and_marks, tenant, sid)
+    return messages, entry, marks
 
 
 async def _openai(events, request: Request, session: dict, chat: bool, stream: bool):

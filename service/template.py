@@ -15,9 +15,12 @@ only the new messages are prefilled.
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 from kvsnap.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "document", "user", "assistant")
 # How the template starts a user's turn: a default stop string of templated turns (a base model
@@ -74,7 +77,11 @@ class ChatTemplate:
     close a document and an answer alike, so the text is the same whatever the session holds.
     A ``document`` message is rendered as a ``system`` one. The texts are tokenized as
     ``apply_chat_template`` does (no special tokens added); a piece starts with a special token
-    (the closing one), so the pieces' tokens are those of the whole conversation.
+    (the closing one), so the pieces' tokens are those of the whole conversation. (An answer
+    cut at a request's stop string is logged without it, but the session keeps the stop
+    string's tokens as generated: the one place where its tokens differ from the template's.)
+    A template that fails the check is not used: :func:`template_for` falls back to the plain
+    template, with a warning.
     """
 
     marker: list[int] = []  # nothing to skip: an answer stops on EOS, which the session does not keep
@@ -85,9 +92,7 @@ class ChatTemplate:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.context = [{"role": "user", "content": self._A}, {"role": "assistant", "content": self._B}]
-        closed = self._render(self.context, gen=False)
-        self.close = closed[closed.rindex(self._B) + len(self._B) :]
-        self.held = closed[: len(closed) - len(self.close)]  # what a session holds after its answer
+        closed, self.close = self._held()
         document = self._render([{"role": "system", "content": self._A}], gen=False)
         appended = self._render([*self.context, {"role": "user", "content": self._C}], gen=True)
         if not self.close or not document.endswith(self._A + self.close) or not appended.startswith(closed):
@@ -96,8 +101,18 @@ class ChatTemplate:
                 "system message and an answer differently); kvsnap cannot resume its sessions"
             )
 
+    def _held(self) -> tuple[str, str]:
+        """The probe conversation rendered (what a session holds after an answer, then the
+        answer's closing text), anew each time: a template may render the date, for one."""
+        closed = self._render(self.context, gen=False)
+        close = closed[closed.rindex(self._B) + len(self._B) :]
+        return closed[: len(closed) - len(close)], close
+
     def _render(self, messages: list[dict], gen: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        except Exception as exc:  # noqa: BLE001 - jinja's TemplateError and what the template raises
+            raise InvalidArgument(f"the model's chat template refused these messages: {exc}") from exc
 
     def encode(self, messages: list[dict], first: bool) -> list[int]:
         """Token ids of ``messages``: the whole conversation's (``first``), else the text that
@@ -112,10 +127,11 @@ class ChatTemplate:
         if first:
             text = self._render(mapped, gen)
         else:
+            held, _ = self._held()
             full = self._render([*self.context, *mapped], gen)
-            if not full.startswith(self.held):
+            if not full.startswith(held):
                 raise InvalidArgument("the model's chat template does not extend this conversation append-only")
-            text = full[len(self.held) :]
+            text = full[len(held) :]
         if not gen:  # left open: the next turn's text starts by closing it
             if not text.endswith(self.close):
                 raise InvalidArgument("the model's chat template does not close this message as expected")
@@ -127,11 +143,17 @@ _TEMPLATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def template_for(tokenizer) -> PlainTemplate | ChatTemplate:
-    """The tokenizer's chat template where it has one, else the plain template (built once)."""
+    """The tokenizer's chat template where it has one that renders append-only, else the plain
+    template (built once per tokenizer)."""
     template = _TEMPLATES.get(tokenizer)
     if template is None:
-        chat = getattr(tokenizer, "chat_template", None)
-        template = _TEMPLATES[tokenizer] = ChatTemplate(tokenizer) if chat else PlainTemplate(tokenizer)
+        template = PlainTemplate(tokenizer)
+        if getattr(tokenizer, "chat_template", None):
+            try:
+                template = ChatTemplate(tokenizer)
+            except InvalidArgument as exc:
+                log.warning("%s: using kvsnap's plain template instead", exc)
+        _TEMPLATES[tokenizer] = template
     return template
 
 

@@ -258,6 +258,16 @@ class SessionDirectory:
         chunks = self._call(self.client.lrange, self.messages_key(tenant, session_id), 0, -1)
         return [m for chunk in chunks for m in json.loads(chunk)]
 
+    def messages_and_marks(self, tenant: str, session_id: str) -> tuple[list[dict], list[TurnMark]]:
+        """The message log and the turn marks (which count each turn's messages), in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.lrange(self.messages_key(tenant, session_id), 0, -1)
+        pipe.lrange(self.marks_key(tenant, session_id), 0, -1)
+        messages, marks = self._call(pipe.execute)
+        return [m for c in messages for m in json.loads(c)], [
+            TurnMark.from_list(m) for c in marks for m in json.loads(c)
+        ]
+
     def commit(
         self,
         entry: SessionEntry,

@@ -75,6 +75,9 @@ class _LastTwoOnly:
 
     chat_template = "last two"
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
         text = "".join(f"<{m['role']}>{m['content']}</s>" for m in messages[-2:])
         return text + ("<assistant>" if add_generation_prompt else "")
@@ -83,6 +86,26 @@ class _LastTwoOnly:
 def test_a_template_that_rewrites_history_is_refused():
     with pytest.raises(InvalidArgument, match="append-only"):
         ChatTemplate(_LastTwoOnly())
+    assert isinstance(template_for(_LastTwoOnly()), PlainTemplate)  # the model still serves, on the plain one
+
+
+class _NoSystemAfterUser(_LastTwoOnly):
+    """Append-only, but refuses a system message after a user one (as some templates raise)."""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        roles = [m["role"] for m in messages]
+        if "user" in roles and "system" in roles[roles.index("user") :]:
+            raise ValueError("system messages must come first")
+        text = "".join(f"<{m['role']}>{m['content']}</s>" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+def test_messages_a_template_refuses_are_a_bad_request():
+    template = template_for(_NoSystemAfterUser())
+    assert isinstance(template, ChatTemplate)
+    assert template.encode([{"role": "user", "content": "q"}], first=False)  # a follow-up renders
+    with pytest.raises(InvalidArgument, match="refused these messages"):
+        template.encode([{"role": "user", "content": "q"}, {"role": "document", "content": "d"}], first=True)
 
 
 @pytest.mark.slow

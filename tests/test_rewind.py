@@ -13,6 +13,7 @@ import torch
 from kvsnap.actors.turns import TurnRequest, turn_boundaries
 from kvsnap.actors.worker import Worker
 from kvsnap.engine import SamplingParams
+from kvsnap.engine.session import TurnMark
 from kvsnap.errors import Conflict
 from kvsnap.policies import make_policy
 from kvsnap.service.template import encode_messages
@@ -26,16 +27,21 @@ def user(q: str) -> dict:
     return {"role": "user", "content": q}
 
 
-def test_turn_boundaries_come_from_the_answers_and_an_opening_document():
-    doc, a = {"role": "document", "content": "d"}, {"role": "assistant", "content": "a"}
-    assert turn_boundaries([doc, user("q"), a, user("r"), a], 3) == [1, 3, 5]  # opened with a document
-    sys = {"role": "system", "content": "s"}
-    assert turn_boundaries([sys, user("q"), a, user("r"), a], 2) == [3, 5]  # opened with a question
-    raw = [{"role": "prompt", "content": "p"}, {"role": "completion", "content": "c"}] * 2
-    assert turn_boundaries(raw, 2) == [2, 4]
-    assert turn_boundaries([doc], 1) == [1]
-    assert turn_boundaries([doc, user("q"), a], 5) == []  # the log does not say: no rewinds
-    assert turn_boundaries([doc, user("q")], 1) == []  # does not end on a turn
+def test_turn_boundaries_come_from_the_messages_each_turn_logged():
+    def marks(*counts: int) -> list[TurnMark]:
+        return [TurnMark(1, 1, 2, messages=n) for n in counts]
+
+    doc, a, sys = (
+        {"role": "document", "content": "d"},
+        {"role": "assistant", "content": "a"},
+        user("s") | {"role": "system"},
+    )
+    assert turn_boundaries([doc, user("q"), a, user("r"), a], marks(1, 2, 2)) == [1, 3, 5]  # opened with a document
+    # a turn that brought its own system prompt, or an edited answer: counted, not guessed from roles
+    assert turn_boundaries([doc, sys, user("q"), a], marks(1, 3)) == [1, 4]
+    assert turn_boundaries([sys, user("q"), a, user("x"), a, user("r"), a], marks(5, 2)) == [5, 7]
+    assert turn_boundaries([doc, user("q"), a], marks(1, 1)) == []  # the counts do not add up: no rewinds
+    assert turn_boundaries([doc, user("q"), a], [TurnMark(1, 0, 1), *marks(2)]) == []  # a mark from before counts
 
 
 def _conversation(worker: Worker, tok, sid: str, questions: list[str], policy) -> list:
@@ -108,6 +114,44 @@ def test_a_worker_takes_a_compressed_session_back_to_a_turn_boundary_exactly(lla
     assert all(torch.equal(a, b) for a, b in zip(mine.tensors, theirs.tensors, strict=True))
 
 
+def test_a_rewind_that_cannot_commit_leaves_the_session_as_it_was(llama_engine, directory_factory, monkeypatch):
+    """Another writer got there first: the rewritten logs are not written, the stored session
+    (tokens, marks, messages, version) is the one before, and its next turn is served from it."""
+    directory = directory_factory()
+    worker = Worker(llama_engine, directory, build_store(10**8, 10**8), "w-fail")
+    tok = llama_engine.tokenizer
+    _conversation(worker, tok, "f", ["What is the pass key?", "Where do foxes live?"], make_policy("full"))
+
+    def stored():
+        return directory.get("acme", "f").version, directory.tokens("acme", "f"), directory.marks("acme", "f")
+
+    before = stored() + (directory.messages("acme", "f"),)
+    question = user("Do foxes swim?")
+    tokens = encode_messages(tok, [question], False)
+
+    def taken(*args, **kwargs):
+        raise Conflict("session 'f' was updated concurrently")
+
+    monkeypatch.setattr(directory, "rewrite", taken)
+    with pytest.raises(Conflict):
+        worker.run(
+            TurnRequest(
+                "acme",
+                "f",
+                tokens,
+                SamplingParams(max_new_tokens=5),
+                log=[question],
+                answer_role="assistant",
+                expected_version=before[0],
+                keep_turns=2,
+            )  # fmt: skip
+        )
+    monkeypatch.undo()
+    assert stored() + (directory.messages("acme", "f"),) == before
+    later = worker.turn("acme", "f", tokens, SamplingParams(max_new_tokens=5), log=[question], answer_role="assistant")
+    assert later.source == "rebuilt" and directory.get("acme", "f").turns == 4  # appended after the old turns
+
+
 def _chat(client, sid: str, messages: list[dict], **kvsnap):
     return client.chat.completions.with_raw_response.create(
         model="tiny-llama",
@@ -164,7 +208,7 @@ def test_a_diverging_chat_is_served_from_the_last_shared_turn(service, llama_eng
 
 def test_a_diverging_completion_prompt_is_served_from_the_last_shared_turn(service):
     """``/v1/completions``: a prompt that keeps the first prompt and completion but not the
-    second turn goes back to the end of the first; one that keeps nothing starts over."""
+    second turn goes back to the end of the first; one that keeps nothing is refused."""
     client = openai.OpenAI(base_url=f"{service.http}/v1", api_key="key-alpha")
 
     def complete(sid: str, prompt: str):
@@ -181,13 +225,16 @@ def test_a_diverging_completion_prompt_is_served_from_the_last_shared_turn(servi
     want, _ = complete("rwc-b", DOC + first + " Who?")
     got, extra = complete("rwc-a", DOC + first + " Who?")
     assert got == want and extra["source"] == "rewound"
-    # a prompt that shares no whole turn starts the session over (its id and settings stay)
-    fresh, extra = complete("rwc-a", "Something else entirely.")
-    assert extra["source"] == "rewound" and extra["replayed_tokens"] == 0
-    assert extra["state"]["turns"] == 1 and fresh == complete("rwc-c", "Something else entirely.")[0]
-    strict = requests.post(
-        f"{service.http}/v1/completions",
-        headers={"Authorization": "Bearer key-alpha", "x-session-id": "rwc-a"},
-        json={"model": "m", "prompt": "Not this either.", "max_tokens": 2, "kvsnap": {"history": "strict"}},
-    )
-    assert strict.status_code == 409 and "strict" in strict.json()["error"]["message"]
+
+    def refused(prompt: str, **kvsnap) -> str:
+        r = requests.post(
+            f"{service.http}/v1/completions",
+            headers={"Authorization": "Bearer key-alpha", "x-session-id": "rwc-a"},
+            json={"model": "m", "prompt": prompt, "max_tokens": 2, "kvsnap": kvsnap},
+        )
+        assert r.status_code == 409, r.text
+        return r.json()["error"]["message"]
+
+    assert "shares no whole turn" in refused("Something else entirely.")  # nothing to go back to: kept as it is
+    assert "strict" in refused(DOC + first + " Why?", history="strict")
+    assert complete("rwc-a", DOC + first + " Who? Really?")[1]["replayed_tokens"] > 0  # still there
