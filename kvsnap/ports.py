@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
 
 # Above Ray's default worker ports (--min-worker-port 10002 / --max-worker-port 19999).
 LOW = 20000
@@ -28,19 +29,23 @@ def ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
 
 
 _handed_out: set[int] = set()  # this process's draws, bound or not yet: never handed out twice
+_lock = threading.Lock()
 
 
 def free_port(tries: int = 200) -> int:
     """A port no listener holds now, outside the ephemeral range where it can be."""
     high = ephemeral_low()
-    for _ in range(tries if high - LOW > 1000 else 0):
-        port = random.randrange(LOW, high)
-        if port not in _handed_out and _bindable(port):
-            _handed_out.add(port)
-            return port
-    with socket.socket() as s:  # a machine whose ephemeral range starts low: the kernel's choice
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    with _lock:
+        for _ in range(tries if high - LOW > 1000 else 0):
+            port = random.randrange(LOW, high)
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)
+                return port
+        with socket.socket() as s:  # a machine whose ephemeral range starts low: the kernel's choice
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        _handed_out.add(port)
+        return port
 
 
 def _bindable(port: int) -> bool:

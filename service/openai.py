@@ -195,6 +195,7 @@ def chat(
         )
     if any(m["role"] not in CHAT_ROLES for m in stored):
         raise Conflict("this session was built by /v1/completions; continue it there")
+    messages = with_empty_answers(messages, stored)
     keep, at = None, len(stored)
     if len(messages) <= len(stored) or messages[: len(stored)] != stored:
         advice = f"send its {len(stored)} earlier messages unchanged, then the new ones"
@@ -202,11 +203,34 @@ def chat(
             raise Conflict(f"the messages do not extend session {session_id!r} (history: strict): {advice}")
         keep, at = shared_turns(stored, marks, lambda b: messages[:b] == stored[:b] and len(messages) > b)
         if keep is None:
-            raise Conflict(f"the messages share no whole turn with session {session_id!r}: {advice}")
+            raise Conflict(
+                f"the messages share no whole turn with session {session_id!r}{_unknown(stored, marks)}: {advice}"
+            )
     new = messages[at:]
     tokens = api.tokens(new, first=False)
     req = api.next_turn(tenant, session_id, tokens, params, new, "assistant", expected_version, keep_turns=keep)
     return api.stream(req, protocol, streaming)
+
+
+def with_empty_answers(messages: list[dict], stored: list[dict]) -> list[dict]:
+    """``messages`` with the session's empty answers put back where the client left them out
+    (clients such as aiperf drop an assistant message that had no text). The session holds
+    such an answer as it was generated; the request means the same conversation."""
+    out, i = [], 0
+    for m in stored:
+        if i < len(messages) and messages[i] == m:
+            out.append(messages[i])
+            i += 1
+        elif m["role"] == "assistant" and m["content"] == "":
+            out.append(m)
+        else:
+            return messages  # a real departure: the caller sees it as it is
+    return out + messages[i:]
+
+
+def _unknown(stored: list[dict], marks: list | None) -> str:
+    """What a refusal adds when the session's log does not record where its turns end."""
+    return "" if turn_boundaries(stored, marks or []) else " (its log does not record where its turns end)"
 
 
 def shared_turns(stored: list[dict], marks: list | None, shares) -> tuple[int | None, int]:
@@ -272,7 +296,7 @@ def complete(
             raise Conflict(f"{advice} (history: strict)")
         keep, at = shared_turns(stored, marks, extends)
         if keep is None:
-            raise Conflict(f"{advice}; it shares no whole turn with it")
+            raise Conflict(f"{advice}; it shares no whole turn with it{_unknown(stored, marks)}")
     new = prompt[len(text(at)) :]
     req = api.next_turn(
         tenant,

@@ -105,6 +105,8 @@ class ChatTemplate:
         """The probe conversation rendered (what a session holds after an answer, then the
         answer's closing text), anew each time: a template may render the date, for one."""
         closed = self._render(self.context, gen=False)
+        if self._B not in closed:  # a template that drops past answers: not append-only
+            raise InvalidArgument("the model's chat template does not render past answers")
         close = closed[closed.rindex(self._B) + len(self._B) :]
         return closed[: len(closed) - len(close)], close
 

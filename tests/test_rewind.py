@@ -44,6 +44,20 @@ def test_turn_boundaries_come_from_the_messages_each_turn_logged():
     assert turn_boundaries([doc, user("q"), a], [TurnMark(1, 0, 1), *marks(2)]) == []  # a mark from before counts
 
 
+def test_a_client_that_leaves_out_an_empty_answer_continues_its_session():
+    from kvsnap.service.openai import with_empty_answers
+
+    sys, a = {"role": "system", "content": "doc"}, {"role": "assistant", "content": "A"}
+    empty = {"role": "assistant", "content": ""}
+    stored = [sys, user("q1"), empty, user("q2"), a]
+    sent = [sys, user("q1"), user("q2"), a, user("q3")]  # aiperf's history: no empty assistant message
+    assert with_empty_answers(sent, stored) == [*stored, user("q3")]
+    assert with_empty_answers(stored + [user("q3")], stored) == [*stored, user("q3")]  # unchanged
+    edited = [sys, user("q1"), user("other"), user("q3")]
+    assert with_empty_answers(edited, stored) == edited  # a real departure stays one
+    assert with_empty_answers([sys, user("q1")], stored) == [sys, user("q1")]  # shorter: left as sent
+
+
 def _conversation(worker: Worker, tok, sid: str, questions: list[str], policy) -> list:
     """A session opened with DOC, then one turn per question; the turns' results."""
     doc = [{"role": "document", "content": DOC}]
