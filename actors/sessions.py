@@ -146,13 +146,11 @@ class SessionStore:
         """The session at the entry's version and where its KV came from: a tier (device / host /
         disk), a drained holder's hand-over ("imported"), or a replay of its log ("rebuilt")."""
         with self.lock:
-            held = self.held.get(key)
-            current = held is not None and held.entry.version == entry.version
-            policy = held.policy if current and held.policy is not None else policy_from_json(entry.policy)
+            held, policy = self._current(key, entry)
             session = self.engine.new_session(policy, entry.recompress, entry.session_id)
             session.turns = entry.turns
             tier = self.tiers.tier_of(key)
-            blob = self.tiers.get(key) if current else None
+            blob = self.tiers.get(key) if held is not None else None
             if blob is not None and blob.version == entry.version:
                 self._restore(session, entry, blob, held.transcript, held.marks, self.tiers.peek(_full_key(key)))
                 self.counters[f"hit_{tier}"] += 1
@@ -171,10 +169,18 @@ class SessionStore:
                     f"session {entry.session_id!r} is still being opened (its first turn has not been committed); "
                     "retry, or open it again if that turn failed"
                 )
-            current_held = held if current else None
-        self._rebuild(session, entry, current_held)  # model work: outside the store's lock (heartbeats go on)
+        self._rebuild(session, entry, held)  # model work: outside the store's lock (heartbeats go on)
         self.counters["rebuilds"] += 1
         return session, "rebuilt"
+
+    def _current(self, key: str, entry: SessionEntry) -> tuple[Held | None, Policy]:
+        """This worker's copy of the session when it is at the entry's version (else None), and
+        the session's policy: the held object then, else the one the entry describes. Called
+        under the store's lock."""
+        held = self.held.get(key)
+        if held is None or held.entry.version != entry.version:
+            return None, policy_from_json(entry.policy)
+        return held, held.policy if held.policy is not None else policy_from_json(entry.policy)
 
     def rewound(self, key: str, entry: SessionEntry, keep: int) -> tuple[Session, list[dict], int]:
         """The session as it was after its first ``keep`` turns (a request diverged from its
@@ -183,12 +189,10 @@ class SessionStore:
         Returns it, the messages it kept, and the tokens replayed. What is held stays until the
         new turn commits (the logs are then rewritten: :meth:`commit` with ``kept``)."""
         with self.lock:
-            held = self.held.get(key)
-            current = held is not None and held.entry.version == entry.version
-            policy = held.policy if current and held.policy is not None else policy_from_json(entry.policy)
-            if current:
+            held, policy = self._current(key, entry)
+            if held is not None:
                 tokens, marks, messages = list(held.transcript), list(held.marks), list(held.messages)
-        if not current:
+        if held is None:
             tokens, marks = self._log(entry)
             messages = self.directory.messages(entry.tenant, entry.session_id)
         bounds = turn_boundaries(messages, marks)
