@@ -52,6 +52,9 @@ class TurnRequest:
     # set: the request diverged from the session's history after its first ``keep_turns`` turns;
     # the session goes back to that turn boundary (replayed from its log) before this turn
     keep_turns: int | None = None
+    # with ``keep_turns``: also keep the next turn's prompt, its answer dropped (the request repeats
+    # that prompt and re-formats the answer, as a client flattening a conversation into text does)
+    keep_prompt: bool = False
 
     @property
     def key(self) -> str:

@@ -91,7 +91,7 @@ class Worker:
                         f"(version {entry.version}, expected {req.expected_version})"
                     )
                 if req.keep_turns is not None:  # back to a turn boundary first (replayed, as a rebuild)
-                    session, kept, replayed = self.sessions.rewound(req.key, entry, req.keep_turns)
+                    session, kept, replayed = self.sessions.rewound(req.key, entry, req.keep_turns, req.keep_prompt)
                     source = "rewound"
                 else:  # a rebuild takes the model between the scheduler's steps
                     session, source = self.sessions.load(req.key, entry)

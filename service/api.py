@@ -218,10 +218,12 @@ class SessionAPI:
         expected_version=0,
         templated=True,
         keep_turns: int | None = None,
+        keep_prompt: bool = False,
     ) -> TurnRequest:
         """A turn on an existing session, with an id of its own (see the retry rule in stream);
         ``templated``: its tokens come from the template (a marker the session holds is skipped);
-        ``keep_turns``: the session first goes back to the end of that turn (a diverging request)."""
+        ``keep_turns``: the session first goes back to the end of that turn (a diverging request);
+        ``keep_prompt``: and on to the end of the next turn's prompt, before its answer."""
         marker = self.marker if templated else []
         turn_id = uuid.uuid4().hex
         return TurnRequest(
@@ -236,6 +238,7 @@ class SessionAPI:
             expected_version,
             marker,
             keep_turns=keep_turns,
+            keep_prompt=keep_prompt,
         )
 
     async def stream(self, req: TurnRequest, protocol: str, streaming: bool = True):

@@ -1,11 +1,13 @@
 """OpenAI-compatible routes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``).
 
 With a session header (``x-session-id``, configurable) a request continues the session of
-that id: it must repeat the session's earlier messages unchanged (chat) or start with its
-earlier prompts and completions (completions), and only what it adds is prefilled. Without
-one, a chat request resumes the implicit session of its tenant (and OpenAI ``user``) whose
-conversation it extends, matched by content; a completion, or a chat matching none, opens a
-session of its own.
+that id: it repeats the session's earlier messages (chat) or starts with its earlier prompts
+and completions (completions), and only what it adds is prefilled. One that departs from them
+is served from the last point it shares (a turn boundary; for completions also the end of a
+turn's prompt, its answer re-formatted), unless it asks for ``history: strict``. Without a
+header, a request resumes the implicit session of its tenant (and OpenAI ``user``) whose
+conversation (chat) or text (completions) it extends or shares, matched by content; one
+matching none opens a session of its own, which later requests can match.
 """
 
 from __future__ import annotations
@@ -70,8 +72,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         events = chat(*args, marks=marks, strict=strict)
         return await _openai(events, request, {"sid": sid}, chat=True, stream=body.stream)
     implicit = api.cfg.implicit_sessions and (body.kvsnap is None or body.kvsnap.session != "none")
-    user = (body.model_extra or {}).get("user")
-    scope = f"u:{user}" if isinstance(user, str) and user else "-"  # the OpenAI `user`: its own conversations
+    scope = _scope(body)  # the OpenAI `user`: its own conversations
     fresh = {"sid": uuid.uuid4().hex}  # a session of its own, which later requests can resume
 
     def open_fresh():
@@ -145,26 +146,81 @@ async def _resume_or_open(resumed, open_fresh, used: dict, fresh_sid: str):
         await resumed.aclose()
 
 
-@router.post("/v1/completions", summary="OpenAI-compatible; with x-session-id the prompt extends the session's text")
+@router.post(
+    "/v1/completions",
+    summary="OpenAI-compatible; resumes the session whose text the prompt extends or repeats (or x-session-id's)",
+)
 async def completions(body: CompletionRequest, request: Request):
-    api, tenant, sid, stored, entry, marks, settings = await _openai_request(body, request)
-    sampling = body.model_dump(include={"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
-    strict = body.kvsnap is not None and body.kvsnap.history == "strict"
-    args = (api, tenant, sid, body.prompt, sampling, settings, "http", stored, body.stream)
-    events = complete(*args, entry=entry, marks=marks, strict=strict)
-    return await _openai(events, request, {"sid": sid}, chat=False, stream=body.stream)
-
-
-async def _openai_request(body, request: Request):
-    """What the completions route needs: the tenant, the session (x-session-id), its message log
-    and entry, the session settings."""
     if body.n not in (None, 1):
         raise InvalidArgument("only n=1 is supported")
     api, tenant = api_of(request), request.state.tenant
+    sampling = body.model_dump(include={"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
+    settings = body.kvsnap.model_dump(exclude={"session", "history"}) if body.kvsnap else None
+    strict = body.kvsnap is not None and body.kvsnap.history == "strict"
     sid = session_header(request, api)
-    settings = body.kvsnap.model_dump(exclude={"history"}) if body.kvsnap else None
-    stored, entry, marks = await stored_messages(api, tenant, sid)
-    return api, tenant, sid, stored, entry, marks, settings
+    if sid is not None:  # the client names its session
+        stored, entry, marks = await stored_messages(api, tenant, sid)
+        args = (api, tenant, sid, body.prompt, sampling, settings, "http", stored, body.stream)
+        events = complete(*args, entry=entry, marks=marks, strict=strict)
+        return await _openai(events, request, {"sid": sid}, chat=False, stream=body.stream)
+    implicit = api.cfg.implicit_sessions and (body.kvsnap is None or body.kvsnap.session != "none")
+    scope = _scope(body)
+    fresh = {"sid": uuid.uuid4().hex}
+
+    def open_fresh():
+        args = (api, tenant, fresh["sid"], body.prompt, sampling, settings, "http", None, body.stream)
+        return complete(*args, conversation=scope if implicit else "")
+
+    matched = await _match_text(api, tenant, scope, body.prompt, settings, strict) if implicit else None
+    if matched is None:
+        return await _openai(open_fresh(), request, fresh, chat=False, stream=body.stream)
+    msid, stored, entry, marks = matched
+    used = {"sid": msid}
+    resumed = complete(api, tenant, msid, body.prompt, sampling, settings, "http", stored, body.stream, entry, marks)
+    events = _resume_or_open(resumed, open_fresh, used, fresh["sid"])
+    return await _openai(events, request, used, chat=False, stream=body.stream)
+
+
+def _scope(body) -> str:
+    """Whose implicit sessions a request may resume: its tenant's, within the OpenAI ``user`` it names."""
+    user = (body.model_extra or {}).get("user")
+    return f"u:{user}" if isinstance(user, str) and user else "-"
+
+
+async def _match_text(api: SessionAPI, tenant: str, scope: str, prompt: str, settings: dict | None, strict: bool):
+    """(session id, its log, entry, marks) of this tenant's implicit raw session that shares the
+    most of ``prompt``: one the prompt extends, else the one it shares the longest turn boundary
+    or prompt with (``strict``: only one it extends); None when there is none (or the request's
+    settings are not its own)."""
+    best, best_len = None, -1
+    for sid in await asyncio.to_thread(api.directory.match_text, tenant, scope, prompt):
+        entry = await asyncio.to_thread(api.directory.get, tenant, sid)
+        if entry is None or entry.conversation != scope or not _same_settings(settings, entry):
+            continue
+        stored, marks = await asyncio.to_thread(api.directory.messages_and_marks, tenant, sid)
+        if not stored or any(m["role"] not in RAW_ROLES for m in stored):
+            continue
+        shared = _shared_text(prompt, stored, marks, strict)
+        if shared > best_len:
+            best, best_len = (sid, stored, entry, marks), shared
+    return best
+
+
+def _shared_text(prompt: str, stored: list[dict], marks: list, strict: bool = False) -> int:
+    """How many characters of a raw session's log ``prompt`` reuses: all of it when it extends
+    it, else up to the last turn boundary or prompt it shares; -1 when none."""
+    text = "".join(m["content"] for m in stored)
+    if prompt.startswith(text) and len(prompt) > len(text):
+        return len(text)
+    if strict:
+        return -1
+
+    def extends(upto: int) -> bool:
+        head = "".join(m["content"] for m in stored[:upto])
+        return prompt.startswith(head) and len(prompt) > len(head)
+
+    keep, _, at = shared_turns(stored, marks, extends, prompts=True)
+    return -1 if keep is None else len("".join(m["content"] for m in stored[:at]))
 
 
 def chat(
@@ -201,7 +257,7 @@ def chat(
         advice = f"send its {len(stored)} earlier messages unchanged, then the new ones"
         if strict:
             raise Conflict(f"the messages do not extend session {session_id!r} (history: strict): {advice}")
-        keep, at = shared_turns(stored, marks, lambda b: messages[:b] == stored[:b] and len(messages) > b)
+        keep, _, at = shared_turns(stored, marks, lambda b: messages[:b] == stored[:b] and len(messages) > b)
         if keep is None:
             raise Conflict(
                 f"the messages share no whole turn with session {session_id!r}{_unknown(stored, marks)}: {advice}"
@@ -233,15 +289,20 @@ def _unknown(stored: list[dict], marks: list | None) -> str:
     return "" if turn_boundaries(stored, marks or []) else " (its log does not record where its turns end)"
 
 
-def shared_turns(stored: list[dict], marks: list | None, shares) -> tuple[int | None, int]:
-    """The last turn boundary of a session (``stored`` messages, its turns' ``marks``) before its
-    end that a diverging request ``shares`` (called with a count of messages): (the turns to
-    keep, the messages they hold), or (None, 0) when it shares none."""
+def shared_turns(stored: list[dict], marks: list | None, shares, prompts: bool = False) -> tuple[int | None, bool, int]:
+    """The longest point of a session (``stored`` messages, its turns' ``marks``) before its end
+    that a diverging request ``shares`` (called with a count of messages): a turn boundary, or
+    with ``prompts`` also the end of a turn's prompt before its answer (raw completions, where
+    no template sits between a prompt and its answer). Returns (the whole turns to keep,
+    whether the next turn's prompt is kept too, the messages kept), or (None, False, 0)."""
     bounds = turn_boundaries(stored, marks or [])
-    for keep in range(len(bounds) - 1, 0, -1):  # the last boundary is the whole log: not a divergence
-        if shares(bounds[keep - 1]):
-            return keep, bounds[keep - 1]
-    return None, 0
+    for turn in range(len(bounds), 0, -1):
+        end, start = bounds[turn - 1], bounds[turn - 2] if turn > 1 else 0
+        if prompts and end - start > 1 and stored[end - 1]["role"] == "completion" and shares(end - 1):
+            return turn - 1, True, end - 1
+        if turn > 1 and shares(start):  # the last boundary is the whole log: not a divergence
+            return turn - 1, False, start
+    return None, False, 0
 
 
 def complete(
@@ -257,10 +318,12 @@ def complete(
     entry=None,
     marks: list | None = None,
     strict: bool = False,
+    conversation: str = "",
 ) -> AsyncIterator[dict]:
-    """A raw completion: a new session, or the next turn of the session (``entry``, its logged
-    prompts and completions ``stored``) whose text the prompt extends; a prompt that departs from
-    it is served from the last turn boundary it shares (``strict``: refused)."""
+    """A raw completion: a new session (``conversation``: an implicit one's scope), or the next
+    turn of the session (``entry``, its logged prompts and completions ``stored``) whose text the
+    prompt extends; a prompt that departs from it is served from the last turn boundary or
+    prompt it shares (``strict``: refused)."""
     params = api.sampling(sampling)
     if not prompt:
         raise InvalidArgument("prompt is empty")
@@ -276,6 +339,7 @@ def complete(
             [{"role": "prompt", "content": prompt}],
             "completion",
             streaming,
+            conversation,
         )
     if any(m["role"] not in RAW_ROLES for m in stored):
         raise Conflict("this session was built by the chat API; continue it with /v1/chat/completions")
@@ -286,7 +350,7 @@ def complete(
     def extends(upto: int) -> bool:
         return prompt.startswith(text(upto)) and len(prompt) > len(text(upto))
 
-    keep, at = None, len(stored)
+    keep, prompt_kept, at = None, False, len(stored)
     if not extends(len(stored)):
         advice = (
             f"the prompt must start with session {session_id!r}'s transcript (its earlier prompts "
@@ -294,7 +358,7 @@ def complete(
         )
         if strict:
             raise Conflict(f"{advice} (history: strict)")
-        keep, at = shared_turns(stored, marks, extends)
+        keep, prompt_kept, at = shared_turns(stored, marks, extends, prompts=True)
         if keep is None:
             raise Conflict(f"{advice}; it shares no whole turn with it{_unknown(stored, marks)}")
     new = prompt[len(text(at)) :]
@@ -308,6 +372,7 @@ def complete(
         entry.version if entry else 0,
         templated=False,
         keep_turns=keep,
+        keep_prompt=prompt_kept,
     )
     return api.stream(req, protocol, streaming)
 

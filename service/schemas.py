@@ -118,25 +118,21 @@ class ChatMessage(BaseModel):
 
 
 class CompletionSettings(Settings):
-    """The ``kvsnap`` object of an OpenAI request: session settings (for a new session), and what
-    a request that diverges from its session's history gets."""
+    """The ``kvsnap`` object of an OpenAI request: session settings (for a new session), what a
+    request that diverges from its session's history gets, and whether a request without a
+    session header may resume a session whose conversation (or text) it extends."""
+
+    session: Literal["auto", "none"] | None = Field(
+        None,
+        description="auto (default): resume the session whose conversation (chat) or text (completions) this "
+        "request extends, matched by content within your tenant; none: always a new session",
+    )
 
     history: Literal["rewind", "strict"] | None = Field(
         None,
         description="rewind (default): a request whose messages (or prompt) depart from the session's "
         "history is served from the last turn boundary they share, the turns after it replaced; "
         "strict: such a request is refused (409)",
-    )
-
-
-class ChatSettings(CompletionSettings):
-    """The ``kvsnap`` object of a chat request: as for completions, and whether a request without
-    a session header may resume a session whose conversation it extends."""
-
-    session: Literal["auto", "none"] | None = Field(
-        None,
-        description="auto (default): resume the session whose conversation this request extends, matched "
-        "by content within your tenant; none: always a new session",
     )
 
 
@@ -148,7 +144,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     stream: bool = False
     n: int | None = Field(None, description="only 1 is supported")
-    kvsnap: ChatSettings | None = Field(None, description="session settings (applied when the session is created)")
+    kvsnap: CompletionSettings | None = Field(
+        None, description="session settings (applied when the session is created)"
+    )
 
 
 class CompletionRequest(SamplingFields):

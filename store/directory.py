@@ -114,6 +114,7 @@ def _pack_marks(marks: list[TurnMark] | None) -> str:
 
 
 CONVERSATION_ROLES = {"system", "document", "user", "assistant"}
+RAW_ROLES = {"prompt", "completion"}  # a raw completion session's log
 
 
 AMBIGUOUS = b"*"  # a conversation two sessions hold: matched by neither
@@ -127,6 +128,22 @@ def conversation_digests(tenant: str, scope: str, messages: list[dict]) -> list[
     digests = []
     for message in messages:
         chain.update(json.dumps([message.get("role"), message.get("content")], ensure_ascii=False).encode() + b"\0")
+        digests.append(chain.copy().hexdigest())
+    return digests
+
+
+TEXT_BLOCK = 64  # characters: a raw prompt is matched at multiples of this many
+TEXT_CANDIDATES = 4  # sessions kept (newest first) under one text prefix
+
+
+def text_digests(tenant: str, scope: str, text: str) -> list[str]:
+    """A hash chain over a raw text in blocks of :data:`TEXT_BLOCK` characters, seeded as
+    :func:`conversation_digests`: digest ``i`` stands for ``text[: (i + 1) * TEXT_BLOCK]``.
+    What a completion without a session id is matched by."""
+    chain = hashlib.blake2b(f"{check_id('tenant', tenant)}\0{scope}\0text".encode(), digest_size=16)
+    digests = []
+    for i in range(len(text) // TEXT_BLOCK):
+        chain.update(text[i * TEXT_BLOCK : (i + 1) * TEXT_BLOCK].encode())
         digests.append(chain.copy().hexdigest())
     return digests
 
@@ -389,7 +406,11 @@ class SessionDirectory:
         with its answer), so that a request repeating them and adding more resumes it. Expires
         with the session's TTL; an older state's record stays until then (it no longer matches
         the session's log, and the edge checks the log). A conversation another session holds
-        too (two users of one key saying the same) becomes ambiguous: matched by neither."""
+        too (two users of one key saying the same) becomes ambiguous: matched by neither. A raw
+        completion's log is recorded by its text instead (:meth:`match_text`)."""
+        if messages and all(m.get("role") in RAW_ROLES for m in messages):
+            self._register_text(tenant, scope, session_id, messages)
+            return
         if not messages or messages[-1].get("role") != "assistant":
             return
         if any(m.get("role") not in CONVERSATION_ROLES for m in messages):
@@ -409,6 +430,40 @@ class SessionDirectory:
         found = self._call(self.client.mget, [self.conversation_key(tenant, digests[i]) for i in ends])
         longest = next((sid for sid in reversed(found) if sid), None)
         return None if longest in (None, AMBIGUOUS) else longest.decode()
+
+    def text_key(self, tenant: str, digest: str) -> str:
+        return f"{self.prefix}:ht:{check_id('tenant', tenant)}:{digest}"
+
+    def _register_text(self, tenant: str, scope: str, session_id: str, messages: list[dict]) -> None:
+        """Record a raw session's text under two prefixes: its whole transcript (a prompt that
+        extends it) and the end of its last prompt (a prompt that repeats that prompt and then
+        re-formats its answer, as a client flattening a conversation does), each cut down to a
+        whole block. Several sessions may share a prefix: the newest few are kept under it."""
+        text = "".join(m["content"] for m in messages)
+        prompt_end = len(text) - len(messages[-1]["content"]) if messages[-1]["role"] == "completion" else len(text)
+        digests = text_digests(tenant, scope, text)
+        now = time.time()
+        pipe = self.client.pipeline(transaction=False)
+        for cut in {len(text) // TEXT_BLOCK, prompt_end // TEXT_BLOCK} - {0}:
+            key = self.text_key(tenant, digests[cut - 1])
+            pipe.zadd(key, {session_id: now})
+            pipe.zremrangebyrank(key, 0, -TEXT_CANDIDATES - 1)
+            pipe.expire(key, self.session_ttl_s)
+        self._call(pipe.execute)
+
+    def match_text(self, tenant: str, scope: str, text: str) -> list[str]:
+        """Sessions of this tenant and scope recorded under the longest block prefix of ``text``
+        that has any (newest first; the edge checks each one's log): candidates for a raw
+        completion without a session id."""
+        digests = text_digests(tenant, scope, text)
+        if not digests:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for digest in digests:
+            pipe.zrevrange(self.text_key(tenant, digest), 0, TEXT_CANDIDATES - 1)
+        found = self._call(pipe.execute)
+        longest = next((ids for ids in reversed(found) if ids), [])
+        return [sid.decode() for sid in longest]
 
     def worker_known(self, worker_id: str) -> bool:
         """True while ``worker_id`` has a live heartbeat (any incarnation)."""

@@ -17,7 +17,7 @@ from kvsnap.errors import Conflict
 from kvsnap.policies import make_policy
 from kvsnap.service.openai import _resume_or_open
 from kvsnap.service.template import encode_messages
-from kvsnap.store.directory import SessionDirectory, conversation_digests
+from kvsnap.store.directory import SessionDirectory, conversation_digests, text_digests
 
 from .conftest import random_tokens
 from .test_service import DOC, FULL, QUESTIONS
@@ -189,3 +189,71 @@ def test_a_conversation_two_sessions_hold_resumes_neither(service, llama_engine)
     assert directory.match_conversation("alpha", "-", messages) == "one"
     directory.register_conversation("alpha", "-", "two", messages)  # another session, the same words
     assert directory.match_conversation("alpha", "-", messages) is None
+
+
+def complete(service, prompt: str, key: str = "key-alpha", **kvsnap) -> dict:
+    r = requests.post(
+        f"{service.http}/v1/completions",
+        headers=service.headers(key),
+        json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 6, "ignore_eos": True, "kvsnap": SNAPKV | kvsnap},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert r.headers["x-session-id"] == body["kvsnap"]["session_id"]
+    return body
+
+
+SNAPKV = {"policy": "snapkv", "budget": 32, "window": 4, "kernel": 3}
+
+
+def test_completions_without_a_header_resume_the_session_whose_text_they_repeat(service, llama_engine):
+    """A client that flattens its conversation into one prompt (aiperf's template endpoint: the
+    turns joined by newlines) re-formats each answer. The session is found by its text and goes
+    back to the end of the last prompt: the answer's rows are cut off (tiny-llama has no
+    sliding-window layers), and only the separator, the answer and the new question are
+    prefilled. A prompt that extends the text exactly resumes it as it is."""
+    tok = llama_engine.tokenizer
+    first = f"{DOC} Flattened {uuid.uuid4().hex}.\nQ: {QUESTIONS[0]}\nA:"
+    one = complete(service, first)
+    sid, c1 = one["kvsnap"]["session_id"], one["choices"][0]["text"]
+    assert one["kvsnap"]["source"] == "new" and c1
+    added = f"\n{c1}\nQ: {QUESTIONS[1]}\nA:"
+    two = complete(service, first + added)
+    assert two["kvsnap"]["session_id"] == sid and two["kvsnap"]["source"] == "rewound"
+    assert two["kvsnap"]["replayed_tokens"] == 0
+    assert two["usage"]["prompt_tokens"] == len(tok.encode(added, add_special_tokens=False))
+    c2 = two["choices"][0]["text"]
+    three = complete(service, first + added + c2 + " And?")  # extends the text as it was returned
+    assert three["kvsnap"]["session_id"] == sid and three["kvsnap"]["source"] == "device"
+    pending = 1  # the last answer's last token (it ended on its token limit: ignore_eos)
+    assert three["usage"]["prompt_tokens"] == len(tok.encode(" And?", add_special_tokens=False)) + pending
+    directory = SessionDirectory(service.redis_url)
+    version = directory.get("alpha", sid).version
+    # the log: the first prompt (its answer dropped), then the turns that replaced it
+    c3 = three["choices"][0]["text"]
+    assert [m["content"] for m in directory.messages("alpha", sid)] == [first, added, c2, " And?", c3]
+    assert [m.messages for m in directory.marks("alpha", sid)] == [1, 2, 2]
+
+    # another tenant sending the same text gets a session of its own; alpha's is untouched
+    theirs = complete(service, first + added, key="key-beta")
+    assert theirs["kvsnap"]["source"] == "new" and theirs["kvsnap"]["session_id"] != sid
+    assert sid not in directory.match_text("beta", "-", first + added)
+    assert directory.get("beta", theirs["kvsnap"]["session_id"]) is not None
+    assert directory.get("alpha", sid).version == version
+    assert text_digests("alpha", "-", first) != text_digests("beta", "-", first)
+    # opting out, and strict history (a re-formatted answer is no extension): new sessions
+    assert complete(service, first + added, session="none")["kvsnap"]["source"] == "new"
+    assert complete(service, first + added, history="strict")["kvsnap"]["source"] == "new"
+    assert directory.get("alpha", sid).version == version
+
+
+def test_a_text_prefix_keeps_the_newest_few_sessions_and_is_tenant_scoped(service):
+    directory = SessionDirectory(service.redis_url)
+    text = "y" * 200
+    log = [{"role": "prompt", "content": text}, {"role": "completion", "content": "z"}]
+    for n in range(6):
+        directory.register_conversation("alpha", "-", f"s{n}", log)
+    assert directory.match_text("alpha", "-", text + "z more") == ["s5", "s4", "s3", "s2"]  # newest first
+    assert directory.match_text("alpha", "-", "y" * 63) == []  # shorter than one block: never matched
+    assert directory.match_text("beta", "-", text + "z more") == []
+    assert directory.match_text("alpha", "u:ann", text + "z more") == []

@@ -5,6 +5,8 @@ the one the session had there), and the turns after it are replaced by the new o
 
 from __future__ import annotations
 
+import functools
+
 import openai
 import pytest
 import requests
@@ -12,7 +14,7 @@ import torch
 
 from kvsnap.actors.turns import TurnRequest, turn_boundaries
 from kvsnap.actors.worker import Worker
-from kvsnap.engine import SamplingParams
+from kvsnap.engine import Engine, SamplingParams, load_model
 from kvsnap.engine.session import TurnMark
 from kvsnap.errors import Conflict
 from kvsnap.policies import make_policy
@@ -251,4 +253,77 @@ def test_a_diverging_completion_prompt_is_served_from_the_last_shared_turn(servi
 
     assert "shares no whole turn" in refused("Something else entirely.")  # nothing to go back to: kept as it is
     assert "strict" in refused(DOC + first + " Why?", history="strict")
-    assert complete("rwc-a", DOC + first + " Who? Really?")[1]["replayed_tokens"] > 0  # still there
+    assert complete("rwc-a", DOC + first + " Why?")[1]["replayed_tokens"] > 0  # still there: turn 1 replayed
+    # the last prompt repeated and its answer re-formatted: the answer's rows cut off, nothing replayed
+    again = complete("rwc-a", DOC + first + " Why? Really?")[1]
+    assert again["source"] == "rewound" and again["replayed_tokens"] == 0
+
+
+@functools.cache
+def _engine(name: str) -> Engine:
+    return Engine(load_model(name), prefill_chunk=16)
+
+
+def _raw(tok, text: str) -> list[int]:
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize(
+    ("engine_name", "policy", "cut"),
+    [
+        ("llama_engine", {"name": "snapkv", "budget": 16, "window": 4, "kernel": 3}, True),
+        ("llama_engine", {"name": "full"}, True),
+        ("llama_engine", {"name": "snapkv", "budget": 16, "window": 4, "kernel": 3, "decode": "h2o:8"}, False),
+        ("tiny-gemma3", {"name": "snapkv", "budget": 16, "window": 4, "kernel": 3}, False),
+    ],
+)
+def test_a_prompt_kept_with_its_answer_reformatted_is_exactly_the_prompt_prefilled_alone(
+    request, directory_factory, engine_name, policy, cut
+):
+    """A raw session goes back to the end of its last turn's prompt (the request repeats that
+    prompt and re-formats the answer, as a client flattening a conversation does). Where that
+    is exact the held KV loses its answer's rows (nothing replayed): an all-full-attention model
+    whose policy does not evict while decoding. Elsewhere (Gemma 3's sliding-window layers, a
+    decode-time evictor) the turns are replayed. Either way the session then equals a twin that
+    prefilled the same prompt without answering it: same tokens, logs and KV bit for bit."""
+    engine = request.getfixturevalue(engine_name) if engine_name.endswith("engine") else _engine(engine_name)
+    directory = directory_factory()
+    worker = Worker(engine, directory, build_store(10**8, 10**8), "w-cut")
+    twin = Worker(engine, directory, build_store(10**8, 10**8), "w-cut-twin")
+    tok, five = engine.tokenizer, SamplingParams(max_new_tokens=5)
+    params = {k: v for k, v in policy.items() if k != "name"}
+    if "decode" in params:
+        kind, budget = params.pop("decode").split(":")
+        params["decode"] = {"policy": kind, "budget": int(budget)}
+    pol = make_policy(policy["name"], **params)
+
+    def raw(text: str, **kw) -> dict:
+        return {"log": [{"role": "prompt", "content": text}], "answer_role": "completion", **kw}
+
+    first = worker.open("acme", "p", _raw(tok, DOC), pol, sampling=five, **raw(DOC))
+    worker.turn("acme", "p", _raw(tok, " Where?"), five, **raw(" Where?"))
+    again = twin.open("acme", "q", _raw(tok, DOC), pol, sampling=five, **raw(DOC))
+    assert again.tokens == first.tokens
+    twin.run(TurnRequest("acme", "q", _raw(tok, " Where?"), None, **raw(" Where?", answer_role=None)))
+    flat = "\n" + worker.engine.decode(first.tokens) + "\n Who?"  # the answer re-formatted, a new question
+    want = twin.turn("acme", "q", _raw(tok, flat), five, **raw(flat))
+
+    before = directory.get("acme", "p")
+    with pytest.raises(Conflict, match="cannot be taken back to the prompt"):  # turn 3 does not exist
+        worker.run(TurnRequest("acme", "p", _raw(tok, flat), five, expected_version=before.version, keep_turns=2,
+                               keep_prompt=True))  # fmt: skip
+    got = worker.run(
+        TurnRequest("acme", "p", _raw(tok, flat), five, expected_version=before.version, keep_turns=1,
+                    keep_prompt=True, **raw(flat))
+    )  # fmt: skip
+    assert got.source == "rewound" and got.tokens == want.tokens
+    assert worker.sessions.counters["answers_cut"] == int(cut)
+    two_prompts = len(_raw(tok, DOC)) + len(first.tokens) + len(_raw(tok, " Where?"))
+    assert got.report.replayed_tokens == (0 if cut else two_prompts)
+    assert got.report.prompt_tokens == want.report.prompt_tokens == len(_raw(tok, flat))
+    assert directory.tokens("acme", "p") == directory.tokens("acme", "q")
+    assert directory.marks("acme", "p") == directory.marks("acme", "q")
+    assert directory.messages("acme", "p") == directory.messages("acme", "q")
+    mine, theirs = worker.sessions.tiers.get("acme/p"), twin.sessions.tiers.get("acme/q")
+    assert mine.logical_len == theirs.logical_len
+    assert all(torch.equal(a, b) for a, b in zip(mine.tensors, theirs.tensors, strict=True))
