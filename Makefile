@@ -10,8 +10,9 @@ STAMP   := $(VENV)/.kvsnap-installed
 TORCH   ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 ARGS    ?=
+AIPERF  := .aiperf/bin/aiperf
 
-.PHONY: install run generate test test-fast lint bench bench-suite reliability eval load proto clean cluster-up cluster-deploy cluster-status cluster-dashboard cluster-down
+.PHONY: install aiperf run generate test test-fast lint bench bench-suite reliability eval load proto clean cluster-up cluster-deploy cluster-status cluster-dashboard cluster-down
 
 install: $(STAMP)
 
@@ -29,8 +30,14 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)  ## the service: local Ray, embedded Redis, embedded Gemma 3 270M; Ctrl-C stops it
 	$(BIN)/kvsnap serve $(ARGS)
 
-test: $(STAMP)  ## the whole test suite, as CI runs it
+test: $(STAMP) $(AIPERF)  ## the whole test suite, as CI runs it
 	$(BIN)/python -m pytest -q $(ARGS)
+
+aiperf: $(AIPERF)  ## aiperf, a third-party load tool, in a virtualenv of its own (its own transformers)
+
+$(AIPERF):
+	test -x .aiperf/bin/python || $(PY) -m venv .aiperf
+	.aiperf/bin/pip install --quiet "aiperf==0.13.0"
 
 test-fast: $(STAMP)  ## everything but the tests that load the real model
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
@@ -55,7 +62,7 @@ load: $(STAMP)  ## load generator against a running service: make load ARGS="--a
 	$(BIN)/kvsnap load $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .aiperf .pytest_cache .ruff_cache *.egg-info
 
 generate: $(STAMP)  ## one in-process session over a long pass-key prompt (no Ray, no Redis)
 	$(BIN)/kvsnap generate $(ARGS)

@@ -53,6 +53,7 @@ def start_service(**overrides):
     cfg = ServiceConfig(**(fields | overrides), data_dir=data_dir)
     serve.start(http_options={"host": "127.0.0.1", "port": cfg.http_port})
     serve.run(build_app(cfg, redis_url), name=APP_NAME, route_prefix="/")
+    cfg.redis_url = redis_url  # for a phase that reads the directory (the app got it as built)
     deadline = time.time() + 180  # the HTTP proxy may still be (re)starting
     while True:
         try:

@@ -56,6 +56,8 @@ def directory_factory(redis_server, request):
 
 
 API_KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
+# tests/test_aiperf.py: one tenant per aiperf run (aiperf names its sessions alike in every run)
+API_KEYS |= {f"key-{case}": case for case in ("chat-header", "chat-none", "completions-header", "completions-none")}
 ADMIN_KEY = "key-admin"
 
 
