@@ -11,8 +11,12 @@ first turn, short follow-ups, fixed-length answers):
   answer, a newline and the new question, so it is no byte-for-byte extension of the session's
   text: the service goes back to the end of the last prompt and prefills the rest.
 
+Answers are fixed-length (``ignore_eos``, no stop string: a base model's answer would otherwise
+often end at once on the plain template's turn marker, and aiperf refuses empty answers).
 Per case and turn index: median TTFT, the tokens aiperf sent (with the history) and the
-tokens the service prefilled (``usage.prompt_tokens``), and the errors. aiperf runs from its
+tokens the service prefilled (``usage.prompt_tokens``), and the errors; per case, the tokens
+the service replayed to go back to an earlier point (its ``kvsnap_replayed_tokens`` metric)
+per follow-up. aiperf runs from its
 own virtualenv (``make aiperf`` makes ``.aiperf/``; it brings its own transformers).
 
 Usage: python bench/aiperf_bench.py [--model gemma3-270m] [--context 2048] [--out DIR]
@@ -60,15 +64,18 @@ def profile(
     """Run one case with aiperf; its per-request records (aiperf's ``profile_export.jsonl``)."""
     endpoint, header = case.split("-")
     out.mkdir(parents=True, exist_ok=True)
+    # nice: one of aiperf's processes spins a core while it waits to send; the service's Ray
+    # workers run at nice 15, so at aiperf's own priority it would take a core from the model
     cmd = [
-        str(AIPERF), "profile", "--model", model, "--url", url, "--api-key", api_key, "--tokenizer", tokenizer,
+        "nice", "-n", "19", str(AIPERF), "profile",
+        "--model", model, "--url", url, "--api-key", api_key, "--tokenizer", tokenizer,
         "--streaming", "--conversation-num", str(conversations), "--conversation-turn-mean", str(turns),
         "--conversation-turn-stddev", "0", "--num-dataset-entries", str(conversations),
         "--user-context-prompt-length", str(context), "--prompt-input-tokens-mean", str(question),
         "--prompt-input-tokens-stddev", "0", "--prompt-output-tokens-mean", str(answer),
         "--prompt-output-tokens-stddev", "0", "--concurrency", "1", "--random-seed", "1",
         "--output-artifact-dir", str(out), "--ui-type", "none",
-        "--extra-inputs", '{"ignore_eos": true}',
+        "--extra-inputs", '{"ignore_eos": true, "stop": []}',
     ]  # fmt: skip
     if endpoint == "chat":
         cmd += ["--endpoint-type", "chat"]
@@ -120,9 +127,21 @@ def run_cases(cfg, tokenizer: str, out: Path, cases: list[str], shape: dict) -> 
     sessions alike in every run); their per-turn summaries."""
     url, result = f"http://127.0.0.1:{cfg.http_port}", {}
     for case in cases:
+        before = replayed(url, f"key-{case}")
         records = profile(case, url, f"key-{case}", cfg.model, tokenizer, out / case, **shape)
         result[case] = per_turn(records, turn_tokens(cfg.redis_url, case))
+        follow_ups = shape["conversations"] * (shape["turns"] - 1)
+        result[case]["replayed_per_follow_up"] = (replayed(url, f"key-{case}") - before) / follow_ups
     return result
+
+
+def replayed(url: str, key: str) -> float:
+    """The service's count of tokens replayed by rewinds (its Prometheus metrics)."""
+    import requests
+
+    text = requests.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30).text
+    line = next(ln for ln in text.splitlines() if ln.startswith("kvsnap_replayed_tokens_total"))
+    return float(line.split()[-1])
 
 
 def turn_tokens(redis_url: str, tenant: str) -> dict[int, list[int]]:
@@ -138,12 +157,16 @@ def turn_tokens(redis_url: str, tenant: str) -> dict[int, list[int]]:
 
 
 def table(summary: dict) -> str:
-    lines = ["| case | turn | TTFT | tokens sent (with history) | tokens prefilled |", "|---|---|---|---|---|"]
+    lines = [
+        "| case | turn | TTFT | tokens sent (with history) | tokens prefilled | tokens replayed (follow-up mean) |",
+        "|---|---|---|---|---|---|",
+    ]
     for case, result in summary.items():
         for turn, row in result["turns"].items():
+            again = f"{result['replayed_per_follow_up']:,.0f}" if turn != "1" else "-"
             lines.append(
                 f"| {case} | {turn} | {row['ttft_ms']:,.0f} ms | {row['input_tokens']:,.0f} | "
-                f"{row['prompt_tokens']:,.0f} |"
+                f"{row['prompt_tokens']:,.0f} | {again} |"
             )
     return "\n".join(lines)
 

@@ -103,7 +103,7 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
         q = query[:, :, start:end]
         capture = keys.captures[b]
         if capture is not None and layer_idx in capture.layers:
-            capture.add(layer_idx, q, kwargs.get("scaling"))
+            capture.add(layer_idx, q, kwargs.get("scaling"), keys[b])
         outputs.append(attend(module, q, keys[b], values[b], keys.masks[b], **kwargs)[0])
     return torch.cat(outputs, dim=1), None
 

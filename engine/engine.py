@@ -24,11 +24,13 @@ from dataclasses import dataclass
 import torch
 
 from kvsnap.errors import InvalidArgument
-from kvsnap.policies import Policy, gather_rows, make_policy, step_attention, window_attention
+from kvsnap.policies import FullKV, Policy, gather_rows, make_policy, scored_policy, step_attention, window_attention
+from kvsnap.policies.kvzap import Surrogate, weights_path
+from kvsnap.policies.kvzip import REPEAT_PROMPT
 
 from .batch import Row, packed_inputs
-from .cache import CompressedLayer, full_layer_indices, new_session_cache
-from .capture import WindowCapture
+from .cache import CompressedLayer, export_kv, full_layer_indices, import_kv, new_session_cache
+from .capture import ReconstructionCapture, WindowCapture, hidden_hook
 from .detok import Detokenizer
 from .models import LoadedModel
 from .sampling import SamplingParams
@@ -95,6 +97,16 @@ class Engine:
         # the LM head computed here (see _lm_head) knows softcapping only; a model that scales its
         # logits otherwise (Granite's logits_scaling, Cohere's logit_scale) gets its own forward's
         self._own_head = all(getattr(text, name, None) in (None, 1, 1.0) for name in ("logits_scaling", "logit_scale"))
+        # the full-attention layers' attention modules: their input goes to captures that want it
+        self.full_layers = full_layer_indices(new_session_cache(self.model.config))
+        self.attention = {
+            m.layer_idx: m
+            for m in self.model.modules()
+            if hasattr(m, "o_proj") and getattr(m, "layer_idx", None) in self.full_layers
+        }
+        for module in self.attention.values():
+            module.register_forward_pre_hook(hidden_hook, with_kwargs=True)
+        self.surrogates: dict[str, Surrogate] = {}  # KVzap's, by kind, loaded when first asked for
 
     # -- sessions ------------------------------------------------------------------------
     def new_session(
@@ -169,7 +181,7 @@ class Engine:
             timer.compress_s += elapsed
         elif job.compress:  # also a reselect session that lost its full copy: plain SnapKV per turn
             t0 = time.perf_counter()
-            self._compress(session, captured, job.window)
+            self._compress(session, captured, job.new)
             timer.compress_s += time.perf_counter() - t0
         if job.decoder is not None:
             session.decoding = self._start_decoding(session, job.decoder, captured)
@@ -193,8 +205,21 @@ class Engine:
             row.session.logical_len += len(row.tokens)
         return logits
 
-    def _compress(self, session: Session, captured: WindowCapture, window: int) -> None:
-        """Apply the session policy to every full-attention layer (the window = this turn's tail)."""
+    def _compress(self, session: Session, captured: WindowCapture, new: list[int]) -> None:
+        """Apply the session policy to every full-attention layer (the window = this turn's tail;
+        a scored policy rates the turn's ``new`` rows by its own signal, see policies/scored.py)."""
+        scored = scored_policy(session.policy)
+        if scored is not None:
+            if scored.scored_by == "hidden":
+                scores = {idx: torch.cat(captured.scores[idx], dim=-1)[None] for idx in captured.layers}
+            else:
+                scores = self._reconstruction_scores(session, new)
+            for idx, layer_scores in scores.items():
+                layer: CompressedLayer = session.cache.layers[idx]
+                positions = scored.keep_scored(layer_scores.to(layer.keys.device), layer.kept_len)
+                if positions.shape[-1] < layer.kept_len:
+                    layer.keep(positions)
+            return
         for idx in captured.layers:
             layer: CompressedLayer = session.cache.layers[idx]
             positions = session.policy.select(
@@ -202,6 +227,46 @@ class Engine:
             )
             if positions.shape[-1] < layer.kept_len:
                 layer.keep(positions)
+
+    @torch.inference_mode()
+    def _reconstruction_scores(self, session: Session, context: list[int]) -> dict[int, torch.Tensor]:
+        """KVzip+ log scores ``[1, H_kv, n]`` per full-attention layer of the session's last
+        ``n = len(context)`` rows (this turn's, on the cache, not yet compressed): a scratch
+        pass of :data:`REPEAT_PROMPT` and the context again, on a copy of the cache that is then
+        dropped (the session's cache, lengths and transcript are untouched)."""
+        n = len(context)
+        scratch = Session(
+            session.session_id, FullKV(), "never", session.model_fingerprint,
+            import_kv(self.model.config, export_kv(session.cache), session.logical_len),
+        )  # fmt: skip
+        scratch.logical_len = session.logical_len
+        starts = {idx: session.cache.layers[idx].kept_len - n for idx in self.full_layers}
+        ask = self.encode(REPEAT_PROMPT, first=False)
+        capture = ReconstructionCapture(starts, n, skip=len(ask))
+        tokens = ask + list(context)
+        for start in range(0, len(tokens), self.prefill_chunk):
+            self.step([Row(scratch, tokens[start : start + self.prefill_chunk], capture)])
+        out = {}
+        for idx, start in starts.items():
+            values = session.cache.layers[idx].values[:, :, start : start + n]
+            out[idx] = capture.scores(idx, values, self.attention[idx].o_proj.weight)
+        return out
+
+    def surrogate(self, kind: str) -> Surrogate:
+        """This model's KVzap surrogate of ``kind`` (policies/kvzap_weights/); InvalidArgument,
+        naming the training command, when none was trained for it."""
+        net = self.surrogates.get(kind)
+        if net is None:
+            path = weights_path(self.loaded.name, kind)
+            if not path.exists():
+                raise InvalidArgument(
+                    f"no KVzap {kind} surrogate for model {self.loaded.name!r} (expected {path.name}); "
+                    f"train one: python bench/kvzap_train.py --model {self.loaded.name}"
+                )
+            text = self.model.config.get_text_config()
+            net = Surrogate.load(path, self.full_layers, text.hidden_size, text.num_key_value_heads, kind)
+            self.surrogates[kind] = net.to(self.device)
+        return net
 
     def _reselect(self, session: Session, captured: WindowCapture, window: int) -> None:
         """Keep every row in the host-side full copy; select this turn's rows from all of them.
@@ -327,7 +392,10 @@ class Engine:
         if total + 1 > self.max_context:
             raise InvalidArgument(f"session would reach {total} tokens; the model's context is {self.max_context}")
         policy = session.policy
-        if session.logical_len == 0 and policy.compresses_anything and policy.window > len(tokens):
+        scored = scored_policy(policy)
+        if scored is not None and scored.scored_by == "hidden":
+            self.surrogate(scored.surrogate)  # a model without one refuses the session before any work
+        if scored is None and session.logical_len == 0 and policy.compresses_anything and policy.window > len(tokens):
             raise InvalidArgument(
                 f"observation window ({policy.window}) is longer than the prompt ({len(tokens)} "
                 "tokens); lower `window` or send a longer prompt"

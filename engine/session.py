@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from kvsnap.errors import InvalidArgument
-from kvsnap.policies import Policy, Reselect
+from kvsnap.policies import Policy, Reselect, scored_policy
 
 from .cache import cache_bytes, full_cache_bytes, kept_len
 
@@ -28,6 +28,11 @@ def resolve_recompress(policy: Policy, recompress: str) -> tuple[Policy, str]:
     if recompress not in RECOMPRESS_MODES:
         raise InvalidArgument(f"recompress must be one of {list(RECOMPRESS_MODES)}, got {recompress!r}")
     if recompress == "reselect":
+        if scored_policy(policy) is not None:
+            raise InvalidArgument(
+                f"policy {scored_policy(policy).name!r} scores each row once, without a question: "
+                "recompress 'reselect' (re-scoring a full copy by each turn's question) does not apply"
+            )
         return (policy if policy.reselects else Reselect(inner=policy)), "per_turn"
     return policy, recompress
 

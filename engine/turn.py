@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvsnap.policies import scored_policy
+
 from .batch import Row
 from .cache import full_layer_indices
 from .capture import WindowCapture
@@ -55,7 +57,12 @@ class Prefill:
         layers = set()
         if self.compress or (self.decoder is not None and self.decoder.needs_attention):
             layers = set(full_layer_indices(session.cache))
-        self.capture = WindowCapture(self.window, layers)
+        scored = scored_policy(policy) if self.compress else None
+        scorer = None
+        if scored is not None and scored.scored_by == "hidden":  # KVzap: scored as the chunks pass
+            layers, net = set(engine.full_layers), engine.surrogate(scored.surrogate)
+            scorer = net.forward
+        self.capture = WindowCapture(self.window, layers, scorer)
         self.done = 0  # tokens of ``new`` on the cache
 
     @property

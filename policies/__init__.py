@@ -26,8 +26,11 @@ from .decoding import Compose, Evictor
 from .eviction import EVICTION_POLICIES, LRU
 from .full import FullKV
 from .h2o import H2O
+from .kvzap import KVzap
+from .kvzip import KVzip
 from .reselect import Reselect
 from .scissorhands import Scissorhands
+from .scored import ScoredPolicy, scored_policy
 from .snapkv import SnapKV
 from .streaming import StreamingLLM
 
@@ -55,7 +58,7 @@ def register_policy(cls: type[Policy]) -> type[Policy]:
 
 
 RESERVED = ("compose", "reselect", "base")  # wrappers, built from settings, not named
-for _cls in (FullKV, SnapKV, StreamingLLM, H2O, Scissorhands):
+for _cls in (FullKV, SnapKV, StreamingLLM, H2O, Scissorhands, KVzip, KVzap):
     register_policy(_cls)
 
 
@@ -168,7 +171,10 @@ __all__ = [
     "Evictor",
     "FullKV",
     "Policy",
+    "KVzap",
+    "KVzip",
     "Scissorhands",
+    "ScoredPolicy",
     "SnapKV",
     "StreamingLLM",
     "gather_rows",
@@ -180,6 +186,7 @@ __all__ = [
     "make_policy",
     "policy_params",
     "register_policy",
+    "scored_policy",
     "policy_from_json",
     "policy_to_json",
 ]

@@ -77,6 +77,9 @@ class Metrics:
             registry=r,
         )
         self.prompt_tokens = Counter("kvsnap_prompt_tokens", "tokens prefilled", registry=r)
+        self.replayed_tokens = Counter(
+            "kvsnap_replayed_tokens", "tokens replayed to take sessions back to an earlier point (rewinds)", registry=r
+        )
         self.kept_tokens = Counter("kvsnap_kept_tokens", "rows kept per full layer after each turn", registry=r)
         self.generated_tokens = Counter("kvsnap_generated_tokens", "tokens generated", registry=r)
         self.requests = Counter("kvsnap_requests", "requests by route and status", ["route", "code"], registry=r)
@@ -97,6 +100,7 @@ class Metrics:
 
     def record_turn(self, report: dict, decode_s: float) -> None:
         self.prompt_tokens.inc(report["prompt_tokens"])
+        self.replayed_tokens.inc(report.get("replayed_tokens", 0))
         self.kept_tokens.inc(report["kept_len"])
         self.generated_tokens.inc(report["generated_tokens"])
         if report["generated_tokens"] > 1:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvsnap.errors import InvalidArgument
-from kvsnap.policies import POLICIES, FullKV, SnapKV, StreamingLLM, make_policy
+from kvsnap.policies import POLICIES, FullKV, ScoredPolicy, SnapKV, StreamingLLM, make_policy
 
 
 def reference_scores(q, k, window, kernel, pooling, gqa_reduce):
@@ -101,7 +101,10 @@ def test_policy_contract(name):
     g = torch.Generator().manual_seed(3)
     for length in (4, 10, 600):
         q, k = torch.randn(1, 4, 4, 8, generator=g), torch.randn(1, 2, length, 8, generator=g)
-        kept = policy.select(q, k)
+        if isinstance(policy, ScoredPolicy):  # rated by the engine (a scratch pass, a surrogate), not a window
+            kept = policy.keep_scored(torch.randn(1, 2, length, generator=g), length)
+        else:
+            kept = policy.select(q, k)
         for rows in kept[0]:
             assert torch.equal(rows, rows.sort().values) and rows.unique().numel() == rows.numel()
             assert set(range(length - 4, length)) <= set(rows.tolist())
@@ -135,6 +138,6 @@ def test_bad_policy_parameters(params, match):
 
 
 def test_unknown_policy_lists_valid_names():
-    listed = "valid policies: full, h2o, (keep_every, )?scissorhands, snapkv, streaming"  # keep_every: a test's
+    listed = "valid policies: full, h2o, (keep_every, )?kvzap, kvzip, scissorhands, snapkv, streaming"  # keep_every: a test's
     with pytest.raises(InvalidArgument, match=listed):
         make_policy("h3o")
