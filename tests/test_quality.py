@@ -146,3 +146,24 @@ def test_kvsnap_eval_against_the_service(service, tmp_path, capsys):
     assert saved["meta"]["backend"] == f"service {service.http}"
     assert {t["policy"] for t in saved["turns"]} == {"full", "reselect:32"}
     assert "multiturn" in capsys.readouterr().out
+
+
+def test_document_first_cases_compress_before_the_questions(llama_engine):
+    """``docfirst``: the document alone first (nothing generated), then one question per key;
+    ratio and threshold specs; kvzip at a share of the prefix holds what snapkv holds."""
+    spec = quality.EvalSpec(**TINY | {"tasks": ("docfirst",), "policies": ("full", "snapkv:r0.3", "kvzip:r0.3")})
+    cases = quality.build_cases(llama_engine.tokenizer, spec)
+    assert [c.task for c in cases] == ["docfirst"] and cases[0].opening
+    assert all(a in cases[0].opening and a not in "".join(cases[0].turns) for a in cases[0].answers)
+    scores = quality.evaluate(quality.InProcess(llama_engine), cases, spec)
+    assert len(scores) == 3 * len(cases[0].turns)
+    first = {s.policy: s for s in scores if s.turn == 1}
+    # after the first question: the document's 30 % each, and the question's rows (kvzip keeps
+    # them all; snapkv recompresses everything to 30 % of what it has seen)
+    kvzip, snapkv = first["kvzip:r0.3"].kv_bytes, first["snapkv:r0.3"].kv_bytes
+    assert abs(kvzip - snapkv) < 0.05 * snapkv and max(kvzip, snapkv) < 0.5 * first["full"].kv_bytes
+    assert quality.PolicySpec.parse("kvzap:t-4.5").settings(8) == {"policy": "kvzap", "window": 8, "tau": -4.5}
+    with pytest.raises(InvalidArgument, match="kvzip and kvzap only"):
+        quality.PolicySpec.parse("snapkv:t-4")
+    with pytest.raises(InvalidArgument, match="in-process only"):
+        quality.OverHTTP.run(object.__new__(quality.OverHTTP), cases[0], spec.specs[0], 8)

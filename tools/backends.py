@@ -31,10 +31,16 @@ class InProcess:
         policy, recompress, kivi = spec.build(window)
         session = self.engine.new_session(policy, recompress=recompress)
         out = []
+        if case.opening:  # the document alone first: compressed before any question is known
+            self.engine.prefill(session, self.engine.encode(case.opening, first=True))
+            if kivi:
+                round_trip(self.engine, session, kivi)
         for i, text in enumerate(case.turns):
             t0 = time.perf_counter()
             result = self.engine.turn(
-                session, self.engine.encode(text, first=i == 0), SamplingParams(max_new_tokens=ANSWER_TOKENS)
+                session,
+                self.engine.encode(text, first=i == 0 and not case.opening),
+                SamplingParams(max_new_tokens=ANSWER_TOKENS),
             )
             r = result.report
             stored = round_trip(self.engine, session, kivi) if kivi else r.kv_bytes  # as the tier holds it
@@ -129,6 +135,8 @@ class OverHTTP:
     def run(self, case: Case, spec: PolicySpec, window: int) -> list[dict]:
         if spec.quant:
             raise InvalidArgument(f"{spec.name}: a service quantizes its tiers per deployment (kv_quant), not per turn")
+        if case.opening:
+            raise InvalidArgument("the docfirst task runs in-process only (its document turn generates nothing)")
         sid = f"eval-{uuid.uuid4().hex[:16]}"
         headers = {"x-session-id": sid}
         prompt, out = "", []

@@ -7,6 +7,9 @@ Three synthetic tasks, generated locally (``tasks.py``), no downloads:
 - ``multiturn``: the same document; the first turn asks for one key, every follow-up for
   another one (what a RAG session does, and where prompt-based compression is weakest:
   SnapKV chose what to keep by looking at the first question).
+- ``docfirst``: the same document sent alone first (prefilled and compressed with no
+  question known, as ``POST /v1/sessions`` opens a session), then one turn per key, each
+  about a different one (in-process only).
 
 Every policy runs the same prompts in one run; an answer is right when the generated text
 contains the key. The first turn is document + question in one prompt (so SnapKV's
@@ -31,7 +34,7 @@ from .specs import PolicySpec
 from .tasks import multi_key_prompt, pass_key_prompt
 
 RETRIEVAL_TASKS = ("passkey", "multikey", "multiturn")
-TASKS = (*RETRIEVAL_TASKS, "longgen")
+TASKS = (*RETRIEVAL_TASKS, "docfirst", "longgen")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +47,7 @@ class Case:
     turns: tuple[str, ...]
     answers: tuple[str, ...]
     depths: tuple[float, ...]  # where each turn's key sits in the document (0 = start)
+    opening: str = ""  # a document sent alone before the turns (prefilled, nothing generated)
 
 
 @dataclass(slots=True)
@@ -108,6 +112,12 @@ def build_cases(tokenizer, spec: EvalSpec) -> list[Case]:
                 turns = tuple((mk.document if i == 0 else "") + mk.question(j) for i, j in enumerate(order))
                 answers = tuple(mk.answers[j] for j in order)
                 cases.append(Case("multiturn", length, seed, turns, answers, tuple(mk.depths[j] for j in order)))
+            if "docfirst" in spec.tasks:
+                order = [(seed + i) % spec.keys for i in range(spec.keys)]
+                turns = tuple(mk.question(j) for j in order)
+                answers = tuple(mk.answers[j] for j in order)
+                depths = tuple(mk.depths[j] for j in order)
+                cases.append(Case("docfirst", length, seed, turns, answers, depths, opening=mk.document))
             if "longgen" in spec.tasks:
                 cases.append(Case("longgen", length, seed, (mk.document + LONGGEN_PROMPT,), (), ()))
     return cases
@@ -234,7 +244,7 @@ def format_tables(summary: dict) -> str:
             continue
         first = next(iter(per_policy.values()))
         lengths = list(first["per_length"])
-        turns = list(first["per_turn"]) if task == "multiturn" else []
+        turns = list(first["per_turn"]) if task in ("multiturn", "docfirst") else []
         width = max(16, 2 + max(map(len, per_policy)))
         head = f"{'policy':{width}}{'acc':>7}" + "".join(f"{'L=' + k:>9}" for k in lengths)
         head += (

@@ -23,7 +23,8 @@ def _spec_names() -> tuple[list[str], list[str]]:
 def _spec_pattern() -> re.Pattern:
     prefill, decode = _spec_names()
     return re.compile(
-        rf"^(?P<policy>full|(?:{'|'.join(prefill)}):(?P<budget>[1-9][0-9]*))"
+        rf"^(?P<policy>full|(?:{'|'.join(prefill)}):(?:(?P<budget>[1-9][0-9]*)|r(?P<ratio>0?\.[0-9]+)"
+        r"|t(?P<tau>-?[0-9]+(?:\.[0-9]+)?)))"
         rf"(?:\+(?P<decode>{'|'.join(decode)}):(?P<decode_budget>[1-9][0-9]*))?"
         r"(?:@(?P<quant>kivi2|kivi4))?$"
     )
@@ -34,7 +35,9 @@ SINKS = 4  # streaming's attention sinks, here and as a decode-time policy
 
 @dataclass(frozen=True, slots=True)
 class PolicySpec:
-    """A policy named on the command line: ``<prefill>[+<decode>:<budget>][@kivi2|@kivi4]``.
+    """A policy named on the command line: ``<prefill>[+<decode>:<budget>][@kivi2|@kivi4]``;
+    a prefill budget may instead be ``r<share>`` (a share of the prefix: ``snapkv:r0.33``) or,
+    for kvzip and kvzap, ``t<log score>`` (a threshold: ``kvzap:t-4``).
 
     Prefill: ``full`` | ``snapkv:B`` | ``reselect:B`` | ``streaming:B`` | ``h2o:B`` |
     ``scissorhands:B``. Each compressing one holds B + the observation window rows per KV
@@ -58,6 +61,8 @@ class PolicySpec:
     decode: str = ""
     decode_budget: int = 0
     quant: str = ""
+    ratio: float | None = None  # ``snapkv:r0.33``: keep that share of the prefix instead of a budget
+    tau: float | None = None  # ``kvzap:t-4``: keep the rows scoring above this log score (kvzip, kvzap)
 
     @classmethod
     def parse(cls, text: str) -> PolicySpec:
@@ -69,6 +74,8 @@ class PolicySpec:
                 f"optionally +<decoder>:<budget> ({', '.join(decode)}) and @kivi2 or @kivi4"
             )
         policy = m["policy"].partition(":")[0]
+        if m["tau"] is not None and policy not in ("kvzip", "kvzap"):
+            raise InvalidArgument(f"policy spec {text!r}: a threshold (t<log score>) is for kvzip and kvzap only")
         return cls(
             text.strip(),
             policy,
@@ -76,6 +83,8 @@ class PolicySpec:
             m["decode"] or "",
             int(m["decode_budget"] or 0),
             m["quant"] or "",
+            float(m["ratio"]) if m["ratio"] else None,
+            float(m["tau"]) if m["tau"] is not None else None,
         )
 
     def settings(self, window: int) -> dict:
@@ -88,8 +97,11 @@ class PolicySpec:
             out = snapkv | {"recompress": recompress}
         elif self.policy == "streaming":
             out = {"policy": "streaming", "window": self.budget + window - SINKS, "sinks": SINKS}
-        else:  # h2o, scissorhands, and any registered policy with a budget and a window
+        else:  # h2o, scissorhands, kvzip, kvzap, and any registered policy with a budget and a window
             out = {"policy": self.policy, "budget": self.budget, "window": window}
+        if self.ratio is not None or self.tau is not None:  # instead of the budget
+            out.pop("budget", None)
+            out |= {"ratio": self.ratio} if self.ratio is not None else {"tau": self.tau}
         if self.decode == "streaming":
             out["decode"] = {"policy": "streaming", "window": self.decode_budget + window - SINKS, "sinks": SINKS}
         elif self.decode:
