@@ -4,7 +4,8 @@ Collects (attention input, KVzip+ log score) pairs from ``--texts`` texts of abo
 tokens (docstrings of installed packages and the project's synthetic tasks; see
 tools/kvzap_train.py), the last ``--test`` of them held out; fits a linear and an MLP
 surrogate per full-attention layer; writes ``policies/kvzap_weights/<model>.<kind>.safetensors``
-and a JSON report (R² per layer for both kinds beside a constant predictor, sizes, timings).
+and a JSON report (R² per layer for both kinds beside a constant predictor, sizes, timings,
+and the thresholds ``tau`` that keep 25 / 33 / 50 % of the held-out rows).
 
 Usage: python bench/kvzap_train.py --model gemma3-270m [--texts 48] [--test 8] [--tokens 1024]
 """
@@ -21,7 +22,7 @@ import torch
 
 from kvsnap.engine import Engine, load_model
 from kvsnap.policies.kvzap import WEIGHTS, weights_path
-from kvsnap.tools.kvzap_train import collect, corpus, main_log, train
+from kvsnap.tools.kvzap_train import collect, corpus, main_log, threshold_for, train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,6 +58,8 @@ def main() -> None:
     out.write_text(
         json.dumps(
             {"args": vars(args), "r2_by_layer": report, "r2": summary, "collect_s": collect_s, "train_s": train_s,
+             "tau_for_share": {f"{share:g}": {kind: threshold_for(nets, test_set, share, kind) for kind in nets}
+                               for share in (0.25, 0.33, 0.5)},
              "train_rows": len(train_set.layer(engine.full_layers[0])[0]),
              "test_rows": len(test_set.layer(engine.full_layers[0])[0])},
             indent=2,

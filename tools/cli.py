@@ -295,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tasks",
         type=_csv(str),
         default=None,
-        help="passkey,multikey,multiturn (the default) and longgen (long generation, in-process only)",
+        help="passkey,multikey,multiturn (the default); docfirst (the document alone first, then one question "
+        "per key) and longgen (long generation), in-process only",
     )
     ev.add_argument("--lengths", type=_csv(int), default=None, help="document tokens (default 1024,2048,4096)")
     ev.add_argument("--depths", type=_csv(float), default=None, help="pass-key depths (default 0.1,0.5,0.9)")
@@ -306,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="default full,snapkv:128,snapkv:256,snapkv:512,streaming:256; also reselect:B "
         "(SnapKV re-selecting from the full cache each turn), h2o:B, scissorhands:B; +h2o:D, "
         "+scissorhands:D or +streaming:D evict while decoding (e.g. snapkv:256+h2o:128); @kivi2 / @kivi4 "
-        "quantize the KV between turns. Each holds B (D) + window rows",
+        "quantize the KV between turns; kvzip:B, kvzap:B (query-agnostic). Each holds B (D) + window rows; "
+        "a budget may be r<share> of the prefix (snapkv:r0.33) or, for kvzip/kvzap, t<log score> (kvzap:t-4)",
     )
     ev.add_argument("--keys", type=int, default=None, help="keys planted for multikey / multiturn (default 4)")
     ev.add_argument("--seeds", type=int, default=None, help="documents per length (default 2)")

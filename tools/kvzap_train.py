@@ -183,6 +183,15 @@ def r2(pred: torch.Tensor, y: torch.Tensor) -> float:
     return float(1 - sse / sst)
 
 
+def threshold_for(nets: dict, data: Dataset, share: float, kind: str = "linear") -> float:
+    """The log-score threshold above which the ``kind`` surrogate keeps about ``share`` of the
+    rows of ``data`` (all layers and heads together): a kvzap ``tau`` that lands on a given
+    compression."""
+    with torch.no_grad():
+        predicted = torch.cat([nets[kind](i, data.layer(i)[0]).flatten() for i in data.x])
+    return float(torch.quantile(predicted, 1 - share))
+
+
 def train(engine: Engine, train_set: Dataset, test_set: Dataset, epochs: int = 200) -> tuple[dict, dict]:
     """Both surrogates of every full-attention layer; (surrogates by kind, R² by kind and layer
     on the held-out set, beside a constant predictor's)."""
