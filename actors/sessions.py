@@ -241,7 +241,7 @@ class SessionStore:
         """The session with its last answer's rows cut off its KV, back to the first ``upto``
         tokens (``marks``: the turns it then holds), or None when that would not be exactly the
         KV the session had there: a model with sliding-window layers (the answer pushed rows out
-        of the window), a policy that evicts or re-selects while decoding, tiers that quantize.
+        of the window), a policy that drops rows while decoding or re-selects, tiers that quantize.
         Otherwise each full-attention layer appended one row per fed token of the answer after
         its prompt was compressed, so dropping those rows undoes exactly that."""
         if any(t.kivi is not None for t in self.tiers.tiers):
@@ -250,7 +250,7 @@ class SessionStore:
         cache, policy = session.cache, session.policy
         if (
             policy.reselects
-            or policy.decoder() is not None
+            or self.engine.prunes_answers(session)
             or not all(isinstance(layer, CompressedLayer) for layer in cache.layers)
         ):
             return None

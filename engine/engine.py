@@ -185,6 +185,8 @@ class Engine:
             timer.compress_s += time.perf_counter() - t0
         if job.decoder is not None:
             session.decoding = self._start_decoding(session, job.decoder, captured)
+        elif self.prunes_answers(session):  # KVzap with a threshold: the answer's rows are scored too
+            session.decoding = {idx: None for idx in self.full_layers}
 
     @torch.inference_mode()
     def step(self, rows: list[Row]) -> torch.Tensor:
@@ -337,6 +339,9 @@ class Engine:
             self._make_room(session, decoder, 1)
             if decoder.needs_attention:
                 capture = WindowCapture(1, set(session.decoding))
+        elif session.decoding and self.prunes_answers(session):  # KVzap with a threshold
+            net = self.surrogate(scored_policy(session.policy).surrogate)
+            capture = WindowCapture(1, set(session.decoding), net.forward)
         return Row(session, session.pending, capture)
 
     @torch.inference_mode()
@@ -345,10 +350,44 @@ class Engine:
         if row.capture is None:
             return
         session, decoder = row.session, row.session.policy.decoder()
+        if decoder is None:  # KVzap scoring its answer's rows
+            self._zap_answer(session, row.capture)
+            return
         for idx, state in session.decoding.items():
             query = row.capture.queries[idx]  # [1, H, 1, D]
             attn = step_attention(query, session.cache.layers[idx].keys, row.capture.scales.get(idx))
             decoder.observe(state, attn)  # attn: [1, H_kv, rows]
+
+    @staticmethod
+    def prunes_answers(session: Session) -> bool:
+        """Whether the session's policy drops rows while decoding: a decode-time evictor, or
+        KVzap with a threshold (it scores the answer's rows too)."""
+        if session.policy.decoder() is not None:
+            return True
+        scored = scored_policy(session.policy)
+        return scored is not None and scored.scored_by == "hidden" and scored.tau is not None
+
+    def _zap_answer(self, session: Session, capture: WindowCapture) -> None:
+        """KVzap while decoding (with ``tau``): each step's new row gets its surrogate score; once
+        ``window`` rows of the answer are older than the last ``window``, that block is pruned
+        like a prompt's rows (per KV head, the mean count above ``tau``, each head's best)."""
+        policy = scored_policy(session.policy)
+        w = policy.window
+        for idx in session.decoding:
+            new = torch.cat(capture.scores.pop(idx))[None]  # [1, H_kv, 1]
+            pending = new if session.decoding[idx] is None else torch.cat([session.decoding[idx], new], dim=-1)
+            if pending.shape[-1] >= 2 * w:  # the oldest w are out of the recent window: decide them
+                layer: CompressedLayer = session.cache.layers[idx]
+                old, scores = layer.kept_len - pending.shape[-1], pending[..., :w]
+                k = int(torch.round((scores > policy.tau).float().sum(dim=-1).mean()).item())
+                picked = scores.topk(k, dim=-1).indices + old
+                heads = scores.shape[1]
+                before = torch.arange(old, device=picked.device).expand(1, heads, -1)
+                after = torch.arange(old + w, layer.kept_len, device=picked.device).expand(1, heads, -1)
+                positions = torch.cat([before, picked, after], dim=-1).sort(dim=-1).values
+                layer.keep(positions.to(layer.keys.device))
+                pending = pending[..., w:]
+            session.decoding[idx] = pending
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``[B, V]`` of last hidden states ``[B, D]``, computed as ``W @ h^T``:

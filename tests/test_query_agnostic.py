@@ -163,3 +163,31 @@ def test_the_service_opens_kvzip_sessions_and_refuses_kvzap_without_weights(serv
         json={"document": doc, "settings": {"policy": "kvzap", "surrogate": "mlp"}},
     )
     assert refused.status_code == 400 and "kvzap_train.py" in refused.json()["error"]["message"]
+
+
+def test_kvzap_with_a_threshold_prunes_the_answer_too_and_a_rebuild_replays_it(llama_engine, tiny_surrogates):
+    """Phase-agnostic: with ``tau`` the answer's rows are scored as they are generated and
+    pruned a window at a time once older than the recent window; a rebuild from the token log
+    feeds the answer back the same way and ends with the same KV."""
+    engine = llama_engine
+    nets, _ = tiny_surrogates
+    engine.surrogates["linear"] = nets["linear"]
+    try:
+        context = random_tokens(60, seed=9)
+        x, _ = pairs(engine, context)
+        idx = engine.full_layers[0]
+        with torch.no_grad():
+            tau = float(nets["linear"](idx, x[idx]).median())
+        policy = make_policy("kvzap", tau=tau, window=8)
+        prefilled = _prefilled(engine, context, policy).kept_len
+        session = engine.new_session(policy)
+        engine.turn(session, context, SamplingParams(max_new_tokens=40, ignore_eos=True))
+        assert engine.prunes_answers(session) and not engine.prunes_answers(engine.new_session(make_policy("kvzap")))
+        fed = session.logical_len - len(context)  # 39 rows the answer added
+        assert prefilled + 8 <= session.kept_len < prefilled + fed
+        rebuilt = engine.new_session(policy)
+        engine.rebuild(rebuilt, session.transcript, session.logical_len, session.marks)
+        for a, b in zip(session.cache.layers, rebuilt.cache.layers, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    finally:
+        engine.surrogates.pop("linear", None)
