@@ -244,15 +244,16 @@ class SessionStore:
         of the window), a policy that drops rows while decoding or re-selects, tiers that quantize.
         Otherwise each full-attention layer appended one row per fed token of the answer after
         its prompt was compressed, so dropping those rows undoes exactly that."""
-        if any(t.kivi is not None for t in self.tiers.tiers):
+        engine = self.engine
+        if any(t.kivi is not None for t in self.tiers.tiers) or len(engine.full_layers) != engine.attention_layers:
             return None
-        session, _ = self.load(key, entry)
-        cache, policy = session.cache, session.policy
-        if (
-            policy.reselects
-            or self.engine.prunes_answers(session)
-            or not all(isinstance(layer, CompressedLayer) for layer in cache.layers)
-        ):
+        with self.lock:  # held here at the entry's version, in a tier: else a replay costs less than a load
+            held, policy = self._current(key, entry)
+            if held is None or self.tiers.tier_of(key) is None or policy.reselects or engine.prunes_answers(policy):
+                return None
+        session, source = self.load(key, entry)
+        cache = session.cache
+        if source in ("rebuilt", "imported") or not all(isinstance(layer, CompressedLayer) for layer in cache.layers):
             return None
         fed = session.logical_len - upto
         if fed < 0 or any(layer.kept_len < fed for layer in cache.layers):

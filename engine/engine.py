@@ -25,7 +25,7 @@ import torch
 
 from kvsnap.errors import InvalidArgument
 from kvsnap.policies import FullKV, Policy, gather_rows, make_policy, scored_policy, step_attention, window_attention
-from kvsnap.policies.kvzap import Surrogate, weights_path
+from kvsnap.policies.kvzap import Surrogate, trained_for, weights_path
 from kvsnap.policies.kvzip import REPEAT_PROMPT
 
 from .batch import Row, packed_inputs
@@ -98,7 +98,9 @@ class Engine:
         # logits otherwise (Granite's logits_scaling, Cohere's logit_scale) gets its own forward's
         self._own_head = all(getattr(text, name, None) in (None, 1, 1.0) for name in ("logits_scaling", "logit_scale"))
         # the full-attention layers' attention modules: their input goes to captures that want it
-        self.full_layers = full_layer_indices(new_session_cache(self.model.config))
+        layers = new_session_cache(self.model.config).layers
+        self.attention_layers = len(layers)  # every attention layer, sliding-window ones too
+        self.full_layers = [i for i, layer in enumerate(layers) if isinstance(layer, CompressedLayer)]
         self.attention = {
             m.layer_idx: m
             for m in self.model.modules()
@@ -185,7 +187,7 @@ class Engine:
             timer.compress_s += time.perf_counter() - t0
         if job.decoder is not None:
             session.decoding = self._start_decoding(session, job.decoder, captured)
-        elif self.prunes_answers(session):  # KVzap with a threshold: the answer's rows are scored too
+        elif self.prunes_answers(session.policy):  # KVzap with a threshold: the answer's rows are scored too
             session.decoding = {idx: None for idx in self.full_layers}
 
     @torch.inference_mode()
@@ -260,11 +262,13 @@ class Engine:
         net = self.surrogates.get(kind)
         if net is None:
             path = weights_path(self.loaded.name, kind)
+            train = f"train one: python bench/kvzap_train.py --model {self.loaded.name}"
             if not path.exists():
                 raise InvalidArgument(
-                    f"no KVzap {kind} surrogate for model {self.loaded.name!r} (expected {path.name}); "
-                    f"train one: python bench/kvzap_train.py --model {self.loaded.name}"
+                    f"no KVzap {kind} surrogate for model {self.loaded.name!r} ({path.name}); {train}"
                 )
+            if trained_for(path) != self.loaded.fingerprint:
+                raise InvalidArgument(f"the KVzap {kind} surrogate {path.name} was trained on another model; {train}")
             text = self.model.config.get_text_config()
             net = Surrogate.load(path, self.full_layers, text.hidden_size, text.num_key_value_heads, kind)
             self.surrogates[kind] = net.to(self.device)
@@ -339,7 +343,7 @@ class Engine:
             self._make_room(session, decoder, 1)
             if decoder.needs_attention:
                 capture = WindowCapture(1, set(session.decoding))
-        elif session.decoding and self.prunes_answers(session):  # KVzap with a threshold
+        elif session.decoding and self.prunes_answers(session.policy):  # KVzap with a threshold
             net = self.surrogate(scored_policy(session.policy).surrogate)
             capture = WindowCapture(1, set(session.decoding), net.forward)
         return Row(session, session.pending, capture)
@@ -359,12 +363,12 @@ class Engine:
             decoder.observe(state, attn)  # attn: [1, H_kv, rows]
 
     @staticmethod
-    def prunes_answers(session: Session) -> bool:
-        """Whether the session's policy drops rows while decoding: a decode-time evictor, or
-        KVzap with a threshold (it scores the answer's rows too)."""
-        if session.policy.decoder() is not None:
+    def prunes_answers(policy: Policy) -> bool:
+        """Whether ``policy`` drops rows while decoding: a decode-time evictor, or KVzap with a
+        threshold (it scores the answer's rows too)."""
+        if policy.decoder() is not None:
             return True
-        scored = scored_policy(session.policy)
+        scored = scored_policy(policy)
         return scored is not None and scored.scored_by == "hidden" and scored.tau is not None
 
     def _zap_answer(self, session: Session, capture: WindowCapture) -> None:
@@ -434,6 +438,13 @@ class Engine:
         scored = scored_policy(policy)
         if scored is not None and scored.scored_by == "hidden":
             self.surrogate(scored.surrogate)  # a model without one refuses the session before any work
+        if scored is not None and scored.scored_by == "reconstruction":
+            repeat = len(session.transcript) + len(tokens) + len(self.encode(REPEAT_PROMPT, first=False))
+            if repeat + len(tokens) + len(session.pending) > self.max_context:
+                raise InvalidArgument(
+                    f"kvzip's scratch pass repeats the turn's {len(tokens)} tokens after it, past the model's "
+                    f"context ({self.max_context}); send a shorter turn or use kvzap"
+                )
         if scored is None and session.logical_len == 0 and policy.compresses_anything and policy.window > len(tokens):
             raise InvalidArgument(
                 f"observation window ({policy.window}) is longer than the prompt ({len(tokens)} "

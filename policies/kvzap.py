@@ -2,9 +2,9 @@
 attention input, as the prefill passes (see :mod:`.scored` for which rows stay).
 
 ``surrogate``: ``linear`` (``D -> H_kv``) or ``mlp`` (``D -> D/8 -> H_kv``, GELU), trained here
-for each embedded model by ``bench/kvzap_train.py`` and shipped in ``policies/kvzap_weights/``
-(``<model>.<surrogate>.safetensors``). A model without trained weights refuses the policy
-before any work.
+by ``bench/kvzap_train.py`` and shipped in ``policies/kvzap_weights/``
+(``<model>.<surrogate>.safetensors``, the model's fingerprint in its metadata) for the embedded
+models. A model without weights trained on it refuses the policy before any work.
 """
 
 from __future__ import annotations
@@ -69,4 +69,17 @@ class Surrogate(torch.nn.Module):
 
 
 def weights_path(model: str, kind: str) -> Path:
-    return WEIGHTS / f"{model}.{kind}.safetensors"
+    """Where the ``kind`` surrogate of ``model`` (an embedded model's name, or an HF id: its
+    slashes become ``--``) is kept."""
+    name = model.replace("/", "--")
+    if not name or name.startswith(".") or "\\" in name:
+        raise InvalidArgument(f"no KVzap surrogates for a model named {model!r}")
+    return WEIGHTS / f"{name}.{kind}.safetensors"
+
+
+def trained_for(path: Path) -> str:
+    """The model fingerprint a surrogate file was trained on (its metadata)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return (f.metadata() or {}).get("fingerprint", "")

@@ -134,6 +134,7 @@ def conversation_digests(tenant: str, scope: str, messages: list[dict]) -> list[
 
 TEXT_BLOCK = 64  # characters: a raw prompt is matched at multiples of this many
 TEXT_CANDIDATES = 4  # sessions kept (newest first) under one text prefix
+TEXT_MAX_BLOCKS = 4096  # a prompt is looked up by its first this many blocks (256K characters)
 
 
 def text_digests(tenant: str, scope: str, text: str) -> list[str]:
@@ -452,18 +453,20 @@ class SessionDirectory:
         self._call(pipe.execute)
 
     def match_text(self, tenant: str, scope: str, text: str) -> list[str]:
-        """Sessions of this tenant and scope recorded under the longest block prefix of ``text``
-        that has any (newest first; the edge checks each one's log): candidates for a raw
-        completion without a session id."""
-        digests = text_digests(tenant, scope, text)
+        """Sessions of this tenant and scope recorded under the longest block prefixes of
+        ``text`` that have any (the longest three, newest first within each; the edge checks
+        each one's log): candidates for a raw completion without a session id."""
+        digests = text_digests(tenant, scope, text[: TEXT_BLOCK * TEXT_MAX_BLOCKS])
         if not digests:
             return []
         pipe = self.client.pipeline(transaction=False)
         for digest in digests:
             pipe.zrevrange(self.text_key(tenant, digest), 0, TEXT_CANDIDATES - 1)
         found = self._call(pipe.execute)
-        longest = next((ids for ids in reversed(found) if ids), [])
-        return [sid.decode() for sid in longest]
+        out: list[str] = []  # the longest prefix's sessions first, then shorter ones' (up to 3 prefixes)
+        for ids in [ids for ids in reversed(found) if ids][:3]:
+            out += [sid.decode() for sid in ids if sid.decode() not in out]
+        return out
 
     def worker_known(self, worker_id: str) -> bool:
         """True while ``worker_id`` has a live heartbeat (any incarnation)."""

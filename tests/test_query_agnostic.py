@@ -182,7 +182,7 @@ def test_kvzap_with_a_threshold_prunes_the_answer_too_and_a_rebuild_replays_it(l
         prefilled = _prefilled(engine, context, policy).kept_len
         session = engine.new_session(policy)
         engine.turn(session, context, SamplingParams(max_new_tokens=40, ignore_eos=True))
-        assert engine.prunes_answers(session) and not engine.prunes_answers(engine.new_session(make_policy("kvzap")))
+        assert engine.prunes_answers(policy) and not engine.prunes_answers(make_policy("kvzap"))
         fed = session.logical_len - len(context)  # 39 rows the answer added
         assert prefilled + 8 <= session.kept_len < prefilled + fed
         rebuilt = engine.new_session(policy)
@@ -191,3 +191,21 @@ def test_kvzap_with_a_threshold_prunes_the_answer_too_and_a_rebuild_replays_it(l
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     finally:
         engine.surrogates.pop("linear", None)
+
+
+def test_surrogates_must_be_trained_on_the_model_and_kvzip_turns_fit_twice(llama_engine, tiny_surrogates, tmp_path):
+    nets, _ = tiny_surrogates
+    path = tmp_path / "tiny.linear.safetensors"
+    nets["linear"].save(path, {"fingerprint": "another-model"})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("kvsnap.engine.engine.weights_path", lambda model, kind: path)
+        with pytest.raises(InvalidArgument, match="trained on another model"):
+            llama_engine.surrogate("linear")
+        nets["linear"].save(path, {"fingerprint": llama_engine.loaded.fingerprint})
+        assert llama_engine.surrogate("linear") is not None
+    llama_engine.surrogates.pop("linear")
+    half = llama_engine.max_context // 2
+    session = llama_engine.new_session(make_policy("kvzip"))
+    with pytest.raises(InvalidArgument, match="scratch pass"):
+        llama_engine.check(session, random_tokens(half + 1, seed=1), None)
+    llama_engine.check(session, random_tokens(half - 20, seed=1), None)

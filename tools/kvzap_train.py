@@ -59,26 +59,28 @@ def docstring_texts(max_files: int = 400, seed: int = 0) -> list[str]:
 
 
 def corpus(tokenizer, n: int, tokens: int, seed: int = 0) -> list[list[int]]:
-    """``n`` token sequences of about ``tokens`` tokens: docstring pieces, every fourth one a
-    synthetic pass-key or multi-key document."""
+    """``n`` token sequences of about ``tokens`` tokens, each starting as a session's first turn
+    does (the tokenizer's special tokens, e.g. BOS: the attention sink is a row like any
+    other): docstring pieces, every fourth one a synthetic pass-key or multi-key document."""
     from kvsnap.tools.tasks import multi_key_prompt, pass_key_prompt
 
     pieces, out = iter(docstring_texts(seed=seed)), []
+    start = list(tokenizer.encode("", add_special_tokens=True))  # what a first turn starts with
     buffer: list[int] = []
     while len(out) < n:
         if len(out) % 4 == 3:
             i = len(out)
             made = pass_key_prompt(tokenizer, tokens, seed=seed + i) if i % 8 == 3 else None
             doc = made.document if made else multi_key_prompt(tokenizer, tokens, keys=4, seed=seed + i).document
-            out.append(list(tokenizer.encode(doc, add_special_tokens=False))[:tokens])
+            out.append((start + list(tokenizer.encode(doc, add_special_tokens=False)))[:tokens])
             continue
         while len(buffer) < tokens:
             text = next(pieces, None)
             if text is None:
                 raise RuntimeError(f"ran out of docstrings after {len(out)} texts")
             buffer += list(tokenizer.encode(text + "\n\n", add_special_tokens=False))
-        out.append(buffer[:tokens])
-        buffer = buffer[tokens:]
+        out.append((start + buffer)[:tokens])
+        buffer = buffer[tokens - len(start) :]
     return out
 
 

@@ -74,6 +74,8 @@ class PolicySpec:
                 f"optionally +<decoder>:<budget> ({', '.join(decode)}) and @kivi2 or @kivi4"
             )
         policy = m["policy"].partition(":")[0]
+        if m["ratio"] is not None and policy == "streaming":
+            raise InvalidArgument(f"policy spec {text!r}: streaming keeps a fixed window, not a share (r<share>)")
         if m["tau"] is not None and policy not in ("kvzip", "kvzap"):
             raise InvalidArgument(f"policy spec {text!r}: a threshold (t<log score>) is for kvzip and kvzap only")
         return cls(
