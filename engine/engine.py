@@ -107,7 +107,9 @@ class Engine:
             if hasattr(m, "o_proj") and getattr(m, "layer_idx", None) in self.full_layers
         }
         for module in self.attention.values():
-            module.register_forward_pre_hook(hidden_hook, with_kwargs=True)
+            if not getattr(module, "_kvsnap_hooked", False):  # one hook per module: engines may share a model
+                module.register_forward_pre_hook(hidden_hook, with_kwargs=True)
+                module._kvsnap_hooked = True
         self.surrogates: dict[str, Surrogate] = {}  # KVzap's, by kind, loaded when first asked for
 
     # -- sessions ------------------------------------------------------------------------

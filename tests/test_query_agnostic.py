@@ -209,3 +209,13 @@ def test_surrogates_must_be_trained_on_the_model_and_kvzip_turns_fit_twice(llama
     with pytest.raises(InvalidArgument, match="scratch pass"):
         llama_engine.check(session, random_tokens(half + 1, seed=1), None)
     llama_engine.check(session, random_tokens(half - 20, seed=1), None)
+
+
+def test_engines_sharing_a_model_hook_its_attention_once(llama_engine):
+    from kvsnap.engine import Engine
+
+    again = Engine(llama_engine.loaded, prefill_chunk=16)  # the same model object
+    module = again.attention[again.full_layers[0]]
+    assert len(module._forward_pre_hooks) == 1
+    x, _ = pairs(again, random_tokens(20, seed=2))
+    assert all(v.shape[0] == 20 for v in x.values())
