@@ -225,8 +225,9 @@ def test_completions_without_a_header_resume_the_session_whose_text_they_repeat(
     c2 = two["choices"][0]["text"]
     three = complete(service, first + added + c2 + " And?")  # extends the text as it was returned
     assert three["kvsnap"]["session_id"] == sid and three["kvsnap"]["source"] == "device"
-    pending = 1  # the last answer's last token (it ended on its token limit: ignore_eos)
-    assert three["usage"]["prompt_tokens"] == len(tok.encode(" And?", add_special_tokens=False)) + pending
+    # only the new text, and the last answer's last token unless it was fed already (an answer
+    # whose last token is EOS feeds it; the random model draws one now and then)
+    assert three["usage"]["prompt_tokens"] - len(tok.encode(" And?", add_special_tokens=False)) in (0, 1)
     directory = SessionDirectory(service.redis_url)
     version = directory.get("alpha", sid).version
     # the log: the first prompt (its answer dropped), then the turns that replaced it
