@@ -101,8 +101,9 @@ def resume_phase(cfg, model: str, lengths: list[int], reps: int, budget: int) ->
     question = "Repeat the pass key, please."
     for length in lengths:  # open every session first; its document prefill is not what is measured
         task = pass_key_prompt(tok, target_tokens=length, depth=0.5, seed=length)
-        if not client.open(f"resume-{length}", task.document + task.question, settings).ok:
-            raise RuntimeError(f"could not open the {length}-token session")
+        opened = client.open(f"resume-{length}", task.document + task.question, settings)
+        if not opened.ok:
+            raise RuntimeError(f"could not open the {length}-token session (HTTP {opened.status})")
     rows = {n: {"held_ttft_s": [], "reprefill_ttft_s": [], "reprefill_tokens": []} for n in lengths}
     for _ in range(reps):
         for length in lengths:  # interleaved: noise hits both ways alike
