@@ -19,7 +19,7 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from kvsnap.engine.cache import CompressedLayer, export_kv, full_layer_indices, import_kv
+from kvsnap.engine.cache import export_kv, full_layer_indices, import_kv
 from kvsnap.engine.engine import Engine
 from kvsnap.engine.session import Session, TurnMark, marks_cover
 from kvsnap.errors import Conflict, NotFound, Unavailable
@@ -253,7 +253,7 @@ class SessionStore:
                 return None
         session, source = self.load(key, entry)
         cache = session.cache
-        if source in ("rebuilt", "imported") or not all(isinstance(layer, CompressedLayer) for layer in cache.layers):
+        if source in ("rebuilt", "imported"):
             return None
         fed = session.logical_len - upto
         if fed < 0 or any(layer.kept_len < fed for layer in cache.layers):

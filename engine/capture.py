@@ -16,6 +16,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from kvsnap.policies.scored import reduce_groups
+
 from .batch import RaggedKV, ragged_attention
 
 ATTN_IMPLEMENTATION = "kvsnap"
@@ -106,8 +108,7 @@ class ReconstructionCapture:
         w_o = o_proj.float().t().reshape(heads, dim, -1)  # per query head: [D, hidden]
         v = values.float()[0].repeat_interleave(heads // kv_heads, dim=0)  # [H, n, D]
         out_norm = torch.stack([(v[h] @ w_o[h]).norm(dim=-1) for h in range(heads)])  # [H, n]
-        per_head = best[0] * out_norm
-        return per_head.view(kv_heads, heads // kv_heads, -1).amax(dim=1).clamp_min(1e-30).log()[None]
+        return reduce_groups(best * out_norm, kv_heads).clamp_min(1e-30).log()
 
 
 def hidden_hook(module, args, kwargs) -> None:

@@ -98,9 +98,9 @@ class Engine:
         # logits otherwise (Granite's logits_scaling, Cohere's logit_scale) gets its own forward's
         self._own_head = all(getattr(text, name, None) in (None, 1, 1.0) for name in ("logits_scaling", "logit_scale"))
         # the full-attention layers' attention modules: their input goes to captures that want it
-        layers = new_session_cache(self.model.config).layers
-        self.attention_layers = len(layers)  # every attention layer, sliding-window ones too
-        self.full_layers = [i for i, layer in enumerate(layers) if isinstance(layer, CompressedLayer)]
+        cache = new_session_cache(self.model.config)
+        self.attention_layers = len(cache.layers)  # every attention layer, sliding-window ones too
+        self.full_layers = full_layer_indices(cache)
         self.attention = {
             m.layer_idx: m
             for m in self.model.modules()
@@ -111,6 +111,7 @@ class Engine:
                 module.register_forward_pre_hook(hidden_hook, with_kwargs=True)
                 module._kvsnap_hooked = True
         self.surrogates: dict[str, Surrogate] = {}  # KVzap's, by kind, loaded when first asked for
+        self.repeat_ids = self.encode(REPEAT_PROMPT, first=False)  # what KVzip+'s scratch pass asks first
 
     # -- sessions ------------------------------------------------------------------------
     def new_session(
@@ -247,9 +248,8 @@ class Engine:
         )  # fmt: skip
         scratch.logical_len = session.logical_len
         starts = {idx: session.cache.layers[idx].kept_len - n for idx in self.full_layers}
-        ask = self.encode(REPEAT_PROMPT, first=False)
-        capture = ReconstructionCapture(starts, n, skip=len(ask))
-        tokens = ask + list(context)
+        capture = ReconstructionCapture(starts, n, skip=len(self.repeat_ids))
+        tokens = self.repeat_ids + list(context)
         for start in range(0, len(tokens), self.prefill_chunk):
             self.step([Row(scratch, tokens[start : start + self.prefill_chunk], capture)])
         out = {}
@@ -384,14 +384,8 @@ class Engine:
             pending = new if session.decoding[idx] is None else torch.cat([session.decoding[idx], new], dim=-1)
             if pending.shape[-1] >= 2 * w:  # the oldest w are out of the recent window: decide them
                 layer: CompressedLayer = session.cache.layers[idx]
-                old, scores = layer.kept_len - pending.shape[-1], pending[..., :w]
-                k = int(torch.round((scores > policy.tau).float().sum(dim=-1).mean()).item())
-                picked = scores.topk(k, dim=-1).indices + old
-                heads = scores.shape[1]
-                before = torch.arange(old, device=picked.device).expand(1, heads, -1)
-                after = torch.arange(old + w, layer.kept_len, device=picked.device).expand(1, heads, -1)
-                positions = torch.cat([before, picked, after], dim=-1).sort(dim=-1).values
-                layer.keep(positions.to(layer.keys.device))
+                recent = pending.shape[-1] - w  # the rows after that block stay, undecided
+                layer.keep(policy.keep_scored(pending, layer.kept_len, window=recent).to(layer.keys.device))
                 pending = pending[..., w:]
             session.decoding[idx] = pending
 
@@ -441,7 +435,7 @@ class Engine:
         if scored is not None and scored.scored_by == "hidden":
             self.surrogate(scored.surrogate)  # a model without one refuses the session before any work
         if scored is not None and scored.scored_by == "reconstruction":
-            repeat = len(session.transcript) + len(tokens) + len(self.encode(REPEAT_PROMPT, first=False))
+            repeat = len(session.transcript) + len(tokens) + len(self.repeat_ids)
             if repeat + len(tokens) + len(session.pending) > self.max_context:
                 raise InvalidArgument(
                     f"kvzip's scratch pass repeats the turn's {len(tokens)} tokens after it, past the model's "

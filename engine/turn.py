@@ -60,8 +60,7 @@ class Prefill:
         scored = scored_policy(policy) if self.compress else None
         scorer = None
         if scored is not None and scored.scored_by == "hidden":  # KVzap: scored as the chunks pass
-            layers, net = set(engine.full_layers), engine.surrogate(scored.surrogate)
-            scorer = net.forward
+            scorer = engine.surrogate(scored.surrogate).forward
         self.capture = WindowCapture(self.window, layers, scorer)
         self.done = 0  # tokens of ``new`` on the cache
 

@@ -55,16 +55,16 @@ class ScoredPolicy(Policy):
     def score(self, window_queries: torch.Tensor, keys: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         raise InvalidArgument(f"policy {self.name!r} scores rows itself (engine: {self.scored_by}), not by a window")
 
-    def keep_scored(self, scores: torch.Tensor, length: int) -> torch.Tensor:
+    def keep_scored(self, scores: torch.Tensor, length: int, window: int | None = None) -> torch.Tensor:
         """Rows of a layer of ``length`` rows to keep, sorted ascending: ``[B, H_kv, k]``.
         ``scores`` ``[B, H_kv, n]`` rate the layer's last ``n`` rows (this turn's); the rows
-        before them all stay."""
+        before them all stay, and so do the last ``window`` (default: the policy's)."""
         batch, kv_heads, n = scores.shape
         device = scores.device
         old = length - n
         if old < 0:
             raise InvalidArgument(f"{n} scores for a layer of {length} rows")
-        w = min(self.window, n)
+        w = min(self.window if window is None else window, n)
         prefix = scores[..., : n - w]  # the turn's rows that may go
         if self.tau is None:
             k = min(self.prefix_budget(n - w), n - w)

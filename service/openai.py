@@ -23,15 +23,14 @@ from fastapi.responses import JSONResponse
 
 from kvsnap.actors.turns import turn_boundaries
 from kvsnap.errors import Conflict, InvalidArgument, NotFound
-from kvsnap.store.directory import check_id
+from kvsnap.store.directory import CONVERSATION_ROLES as CHAT_ROLES
+from kvsnap.store.directory import RAW_ROLES, check_id
 
 from .api import SessionAPI, TurnOutcome, state_view
 from .responses import api_of, current, final, sse
 from .schemas import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
-CHAT_ROLES = {"system", "document", "user", "assistant"}
-RAW_ROLES = {"prompt", "completion"}
 
 
 @router.get("/v1/models", summary="OpenAI-compatible model list")
@@ -209,18 +208,23 @@ async def _match_text(api: SessionAPI, tenant: str, scope: str, prompt: str, set
 def _shared_text(prompt: str, stored: list[dict], marks: list, strict: bool = False) -> int:
     """How many characters of a raw session's log ``prompt`` reuses: all of it when it extends
     it, else up to the last turn boundary or prompt it shares; -1 when none."""
-    text = "".join(m["content"] for m in stored)
-    if prompt.startswith(text) and len(prompt) > len(text):
-        return len(text)
+    if _extends(prompt, stored, len(stored)):
+        return len(_text(stored, len(stored)))
     if strict:
         return -1
+    keep, _, at = shared_turns(stored, marks, lambda upto: _extends(prompt, stored, upto), prompts=True)
+    return -1 if keep is None else len(_text(stored, at))
 
-    def extends(upto: int) -> bool:
-        head = "".join(m["content"] for m in stored[:upto])
-        return prompt.startswith(head) and len(prompt) > len(head)
 
-    keep, _, at = shared_turns(stored, marks, extends, prompts=True)
-    return -1 if keep is None else len("".join(m["content"] for m in stored[:at]))
+def _text(stored: list[dict], upto: int) -> str:
+    """A raw session's text: its first ``upto`` logged prompts and completions."""
+    return "".join(m["content"] for m in stored[:upto])
+
+
+def _extends(prompt: str, stored: list[dict], upto: int) -> bool:
+    """Whether ``prompt`` starts with a raw session's first ``upto`` messages and adds text."""
+    head = _text(stored, upto)
+    return prompt.startswith(head) and len(prompt) > len(head)
 
 
 def chat(
@@ -344,11 +348,8 @@ def complete(
     if any(m["role"] not in RAW_ROLES for m in stored):
         raise Conflict("this session was built by the chat API; continue it with /v1/chat/completions")
 
-    def text(upto: int) -> str:
-        return "".join(m["content"] for m in stored[:upto])
-
     def extends(upto: int) -> bool:
-        return prompt.startswith(text(upto)) and len(prompt) > len(text(upto))
+        return _extends(prompt, stored, upto)
 
     keep, prompt_kept, at = None, False, len(stored)
     if not extends(len(stored)):
@@ -361,7 +362,7 @@ def complete(
         keep, prompt_kept, at = shared_turns(stored, marks, extends, prompts=True)
         if keep is None:
             raise Conflict(f"{advice}; it shares no whole turn with it{_unknown(stored, marks)}")
-    new = prompt[len(text(at)) :]
+    new = prompt[len(_text(stored, at)) :]
     req = api.next_turn(
         tenant,
         session_id,
