@@ -103,7 +103,7 @@ class WorkerReplica:
         torch.set_num_threads(max(1, int(cfg.cpus_per_replica)))
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         loaded = load_model(cfg.model, gguf_file=cfg.gguf_file)
-        engine = Engine(loaded, prefill_chunk=cfg.prefill_chunk)
+        engine = Engine(loaded, prefill_chunk=cfg.prefill_chunk, greedy_screen=cfg.greedy_screen)
         directory = SessionDirectory(redis_url, session_ttl_s=cfg.session_ttl_s)
         disk_dir = str(Path(cfg.data_dir) / "disk" / self.worker_id) if cfg.disk_tier_mib else None
         store = build_store(

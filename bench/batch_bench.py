@@ -145,6 +145,17 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except OSError:
+        return ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gemma3-270m")
@@ -174,7 +185,12 @@ def main() -> None:
         )
         return
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("phase", "out")]
-    result = {"args": vars(args), "command": "python bench/batch_bench.py " + " ".join(argv)}
+    result = {
+        "args": vars(args),
+        "command": "python bench/batch_bench.py " + " ".join(argv),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "commit": _commit(),
+    }
     for mode in ("on", "off"):
         result[mode] = run_phase_process(__file__, mode, argv, timeout_s=7200)
     result["ratios"] = ratios(result["on"], result["off"])

@@ -36,12 +36,14 @@ _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 @dataclass(slots=True)
 class Row:
-    """One session's part of a packed step: its new tokens, and the capture that keeps their
-    queries (a prompt's observation window, a decode-time evictor's step) if any."""
+    """One session's part of a packed step: its new tokens, the capture that keeps their
+    queries (a prompt's observation window, a decode-time evictor's step) if any, and whether
+    only the argmax of its logits is wanted (greedy decoding: engine/head.py)."""
 
     session: Session
     tokens: list[int]
     capture: WindowCapture | None = None
+    greedy: bool = False
 
 
 class RaggedKV(list):

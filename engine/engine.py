@@ -32,6 +32,7 @@ from .batch import Row, packed_inputs
 from .cache import CompressedLayer, export_kv, full_layer_indices, import_kv, new_session_cache
 from .capture import ReconstructionCapture, WindowCapture, hidden_hook
 from .detok import Detokenizer
+from .head import LMHead
 from .models import LoadedModel
 from .sampling import SamplingParams
 from .session import Session, TurnMark, TurnReport, marks_cover
@@ -81,7 +82,9 @@ RESELECT_CHUNK = 4096  # rows of the host-side full cache moved to the device at
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, *, prefill_chunk: int = 1024):
+    def __init__(self, loaded: LoadedModel, *, prefill_chunk: int = 1024, greedy_screen: bool | None = None):
+        """``greedy_screen``: greedy rows' argmax through a bf16 screen (engine/head.py); None:
+        where it pays (a large fp32 head on a CPU with bf16 kernels)."""
         if prefill_chunk < 1:
             raise InvalidArgument(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.loaded = loaded
@@ -93,10 +96,11 @@ class Engine:
         self.vocab_size = text.vocab_size
         self.max_context = text.max_position_embeddings
         self.eos_ids = loaded.eos_token_ids
-        self._softcap = getattr(text, "final_logit_softcapping", None)
-        # the LM head computed here (see _lm_head) knows softcapping only; a model that scales its
+        # the LM head computed here (engine/head.py) knows softcapping only; a model that scales its
         # logits otherwise (Granite's logits_scaling, Cohere's logit_scale) gets its own forward's
         self._own_head = all(getattr(text, name, None) in (None, 1, 1.0) for name in ("logits_scaling", "logit_scale"))
+        softcap = getattr(text, "final_logit_softcapping", None)
+        self.head = LMHead(self.model, softcap, greedy_screen if self._own_head else False)
         # the full-attention layers' attention modules: their input goes to captures that want it
         cache = new_session_cache(self.model.config)
         self.attention_layers = len(cache.layers)  # every attention layer, sliding-window ones too
@@ -158,7 +162,7 @@ class Engine:
                 if turn.prefilling:
                     token = turn.prefill_step(self.prefill_chunk)
                 else:
-                    token = turn.accept(self.decode_step([turn.session])[0])
+                    token = turn.accept(self.decode_step([turn.session], turn.greedy)[0])
                 if token is not None:
                     yield token
         finally:
@@ -197,14 +201,16 @@ class Engine:
     def step(self, rows: list[Row]) -> torch.Tensor:
         """One packed forward over every row's new tokens (each on its own session's cache,
         :mod:`.batch`); each session's ``logical_len`` advances by its tokens. Returns the
-        next-token logits of each row's last token ``[B, V]``."""
+        next-token logits of each row's last token ``[B, V]`` (a greedy row's: the exact argmax's,
+        :class:`LMHead`)."""
         inputs = packed_inputs(rows, self.device)
         ends, end = [], 0
         for row in rows:
             end += len(row.tokens)
             ends.append(end - 1)
         if self._own_head:
-            logits = self._lm_head(self.model.base_model(**inputs).last_hidden_state[0, ends])  # hidden: [B, D]
+            hidden = self.model.base_model(**inputs).last_hidden_state[0, ends]  # [B, D]
+            logits = self.head(hidden, [row.greedy for row in rows])
         else:
             keep = torch.tensor(ends, device=self.device)
             logits = self.model(**inputs, logits_to_keep=keep).logits[0].float()
@@ -325,16 +331,17 @@ class Engine:
                 layer.keep(positions.expand(layer.keys.shape[0], layer.keys.shape[1], -1))
 
     @torch.inference_mode()
-    def decode_step(self, sessions: list[Session]) -> torch.Tensor:
-        """Feed every session its pending token in one packed forward; next-token logits ``[B, V]``."""
-        rows = [self.decode_row(session) for session in sessions]
+    def decode_step(self, sessions: list[Session], greedy: bool = False) -> torch.Tensor:
+        """Feed every session its pending token in one packed forward; next-token logits ``[B, V]``
+        (``greedy``: only their argmax is wanted)."""
+        rows = [self.decode_row(session, greedy) for session in sessions]
         logits = self.step(rows)
         for row in rows:
             self.after_decode(row)
         return logits
 
     @torch.inference_mode()
-    def decode_row(self, session: Session) -> Row:
+    def decode_row(self, session: Session, greedy: bool = False) -> Row:
         """A session's row in a decode step: its pending token. A decode-time evictor makes room
         first, and gets a capture of this step's query when it scores by attention."""
         if len(session.pending) != 1:
@@ -348,7 +355,7 @@ class Engine:
         elif session.decoding and self.prunes_answers(session.policy):  # KVzap with a threshold
             net = self.surrogate(scored_policy(session.policy).surrogate)
             capture = WindowCapture(1, set(session.decoding), net.forward)
-        return Row(session, session.pending, capture)
+        return Row(session, session.pending, capture, greedy)
 
     @torch.inference_mode()
     def after_decode(self, row: Row) -> None:
@@ -388,21 +395,6 @@ class Engine:
                 layer.keep(policy.keep_scored(pending, layer.kept_len, window=recent).to(layer.keys.device))
                 pending = pending[..., w:]
             session.decoding[idx] = pending
-
-    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Next-token logits ``[B, V]`` of last hidden states ``[B, D]``, computed as ``W @ h^T``:
-        on a CPU, torch's ``linear`` with a few rows against a large vocabulary takes a slow
-        path (Gemma 3's 262k-row head, 2 cores: about 100-120 ms for 2-16 rows, against 20-90 ms
-        this way), and the head is most of a decode step's time. One row goes as two (the
-        matrix-vector kernel takes 55 ms where two rows take 21)."""
-        head = self.model.get_output_embeddings()
-        rows = hidden if hidden.shape[0] > 1 else hidden.expand(2, -1).contiguous()  # one row: a slower kernel
-        logits = (head.weight @ rows.T).T[: hidden.shape[0]]
-        if head.bias is not None:
-            logits = logits + head.bias
-        if self._softcap:
-            logits = torch.tanh(logits / self._softcap) * self._softcap
-        return logits.float()
 
     def _decode_step(self, session: Session) -> torch.Tensor:
         return self.decode_step([session])[0]

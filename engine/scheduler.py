@@ -222,7 +222,7 @@ class Scheduler:
                 rows.append(row)
                 owners.append((job, True))
         for job in [j for j in self._running if j.turn.decoding and not j.cancelled.is_set()]:
-            if (row := self._call(job, self.engine.decode_row, job.turn.session)) is not None:
+            if (row := self._call(job, self.engine.decode_row, job.turn.session, job.turn.greedy)) is not None:
                 rows.append(row)
                 owners.append((job, False))
         return rows, owners

@@ -45,8 +45,9 @@ class Prefill:
     """A prompt (the session's pending tokens plus the new ones) going onto the cache chunk by
     chunk; after the last chunk the session's policy compresses the full-attention layers."""
 
-    def __init__(self, engine: Engine, session: Session, tokens: list[int], timer: Timer):
-        self.engine, self.session, self.timer = engine, session, timer
+    def __init__(self, engine: Engine, session: Session, tokens: list[int], timer: Timer, greedy: bool = False):
+        """``greedy``: the prompt's next token is taken by argmax (only that is computed exactly)."""
+        self.engine, self.session, self.timer, self.greedy = engine, session, timer, greedy
         self.first_turn = session.logical_len == 0
         self.new = session.pending + list(tokens)
         session.transcript.extend(tokens)
@@ -70,7 +71,7 @@ class Prefill:
 
     def row(self, chunk: int) -> Row:
         """The next ``chunk`` tokens as a row of a packed step (its queries go to the capture)."""
-        return Row(self.session, self.new[self.done : self.done + chunk], self.capture)
+        return Row(self.session, self.new[self.done : self.done + chunk], self.capture, self.greedy)
 
     def advance(self, n: int, logits: torch.Tensor, elapsed_s: float) -> torch.Tensor | None:
         """``n`` tokens went onto the cache; after the last ones, compress and return next-token logits [V]."""
@@ -111,6 +112,11 @@ class Turn:
         return not self.done and (self.prefill is None or self.prefill.remaining > 0)
 
     @property
+    def greedy(self) -> bool:
+        """Its tokens are the logits' argmax (temperature 0)."""
+        return self.sampling is not None and self.sampling.temperature == 0
+
+    @property
     def decoding(self) -> bool:
         """Waiting for a decode step (its last token is pending in the session)."""
         return not self.done and not self.prefilling
@@ -139,7 +145,7 @@ class Turn:
     def _begin(self) -> None:
         if self.prefill is None:
             self.started = time.perf_counter()
-            self.prefill = Prefill(self.engine, self.session, self.tokens, self.timer)
+            self.prefill = Prefill(self.engine, self.session, self.tokens, self.timer, self.greedy)
 
     def _chunk_done(self, logits: torch.Tensor | None) -> int | None:
         """After a prompt chunk: None until the prompt is done (``logits``), then its first token."""

@@ -95,6 +95,11 @@ class ServiceConfig(BaseModel):
         description="turns a worker replica runs together (continuous batching: one decode step for all of "
         "them); more wait in its queue. 1 = one turn at a time",
     )
+    greedy_screen: bool | None = Field(
+        None,
+        description="greedy rows' LM head: the exact argmax through a bf16 first pass and a float64 recompute "
+        "of the few candidates (engine/head.py); null: on for a large fp32 head on a CPU with bf16 kernels",
+    )
     max_prompt_tokens: int = Field(16384, ge=1, description="most tokens one request may add")
     max_body_bytes: int = Field(4 << 20, ge=1024, description="largest request body")
     max_new_tokens: int = Field(1024, ge=1, description="most tokens one turn may generate")
