@@ -8,9 +8,9 @@ compute-bound once a step carries more than a few rows: on 2 cores, 20 ms for 1-
 Rows that are decoded greedily need only the head's argmax, and :class:`LMHead` finds the
 exact one (``screen``, on by default where it pays: :func:`screen_pays`):
 
-1. **First pass**: with 4 greedy rows or more (:data:`SCREEN_MIN_ROWS`), logits from a
+1. **First pass**: with 6 greedy rows or more (:data:`SCREEN_MIN_ROWS`), logits from a
    bfloat16 copy of the head (a CPU's bf16 dot-product instructions: about 24 ms for 8 rows,
-   30 ms for 16, but no faster than fp32 for 1-2 rows); with fewer, the fp32 logits.
+   30 ms for 16, but no faster than fp32 for 1-4 rows); with fewer, the fp32 logits.
 2. **Candidates**: every token whose exact logit could still be the largest, from a rigorous
    bound on the first pass's error (for bf16: inputs rounded to 8 significant bits, fp32
    accumulation, output rounded to 8 bits; doubled for safety). On Gemma 3 270M a row has
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 SCREEN_MIN_WEIGHTS = 1 << 22  # a smaller head costs too little for a screen to pay
-SCREEN_MIN_ROWS = 4  # fewer greedy rows: the first pass is fp32 (the bf16 kernel is no faster there)
+SCREEN_MIN_ROWS = 6  # fewer greedy rows: the first pass is fp32 (as fast there: bench/head_bench.py)
 _U = 2.0**-8  # bfloat16's unit roundoff
 _FP32_PRODUCT = 2.0**-24 / (1 - 2.0**-24)  # fp32 accumulation, per term
 _FP32_OUT = 2.0**-24 / (1 - 2.0**-24)  # fp32 output rounding

@@ -105,13 +105,17 @@ def assert_same_cache(a, b, tol: float = 1e-5) -> None:
 
 
 @pytest.mark.parametrize("screen", [False, True], ids=["fp32-head", "greedy-screen"])
-def test_every_session_in_a_batch_gets_the_tokens_it_gets_alone(tiny_engine, screen):
-    """With the greedy screen (engine/head.py) forced on, a step with 4 or more greedy rows takes
-    the bf16 first pass while the same session alone takes the fp32 one: the tokens are equal."""
+def test_every_session_in_a_batch_gets_the_tokens_it_gets_alone(tiny_engine, screen, monkeypatch):
+    """With the greedy screen (engine/head.py) forced on, a step with 2 or more greedy rows (6 in
+    service) takes the bf16 first pass while the same session alone takes the fp32 one: the
+    tokens are equal."""
     from kvsnap.engine import Engine
+
+    monkeypatch.setattr("kvsnap.engine.head.SCREEN_MIN_ROWS", 2)
 
     engine = tiny_engine if not screen else Engine(tiny_engine.loaded, prefill_chunk=16, greedy_screen=True)
     assert engine.head.screen == screen
+    passes = first_passes(engine, monkeypatch)
     scheduler = Scheduler(engine, threading.RLock(), max_batch=16, step_tokens=4 * engine.prefill_chunk, start=False)
     docs = [random_tokens(p.doc_len, seed=300 + i) for i, p in enumerate(PLANS)]
     sessions = [new_session(engine, p, i) for i, p in enumerate(PLANS)]
@@ -141,6 +145,18 @@ def test_every_session_in_a_batch_gets_the_tokens_it_gets_alone(tiny_engine, scr
         assert sessions[i].logical_len == alone.logical_len and sessions[i].transcript == alone.transcript
         assert [m.to_list() for m in sessions[i].marks] == [m.to_list() for m in alone.marks]
         assert_same_cache(sessions[i], alone)
+    assert passes == ({torch.bfloat16, torch.float32} if screen else set())  # batched: bf16; alone: fp32
+
+
+def first_passes(engine, monkeypatch) -> set:
+    """The dtypes of the greedy head's first passes (engine/head.py) from now on."""
+    seen: set = set()
+    if engine.head.screen:
+        found = engine.head._candidates
+        monkeypatch.setattr(
+            engine.head, "_candidates", lambda approx, *a: (seen.add(approx.dtype), found(approx, *a))[1]
+        )
+    return seen
 
 
 def test_a_long_prompt_holds_decoding_sessions_up_for_one_chunk_per_step(llama_engine):
@@ -235,14 +251,16 @@ def test_rows_only_ever_attend_to_their_own_session(llama_engine, monkeypatch):
 
 
 @pytest.mark.slow
-def test_gemma_sessions_in_a_batch_match_their_runs_alone(gemma_engine):
+def test_gemma_sessions_in_a_batch_match_their_runs_alone(gemma_engine, monkeypatch):
     engine = gemma_engine
+    monkeypatch.setattr("kvsnap.engine.head.SCREEN_MIN_ROWS", 3)  # 6 in service: fewer sessions here
     scheduler = Scheduler(engine, threading.RLock(), max_batch=8, start=False)
     text = "The lighthouse keeper wrote down the weather every morning. " * 40
     # four greedy rows: their batched steps take the bf16 screen (engine/head.py), alone the fp32 pass
     plans = [("full", GREEDY), ("snapkv", SEEDED), ("snapkv+h2o", GREEDY), ("snapkv", GREEDY), ("full", GREEDY)]
     docs = [engine.encode(text[: 600 + 300 * i]) for i in range(len(plans))]
     assert engine.head.screen
+    passes = first_passes(engine, monkeypatch)
     sessions, jobs = [], []
     for (policy, sampling), doc in zip(plans, docs, strict=True):
         make, recompress = POLICIES[policy]
@@ -258,6 +276,7 @@ def test_gemma_sessions_in_a_batch_match_their_runs_alone(gemma_engine):
         alone = engine.new_session(make(), recompress)
         assert list(job) == engine.turn(alone, doc, sampling).tokens, policy
         assert_same_cache(session, alone, tol=1e-4)
+    assert passes == {torch.bfloat16, torch.float32}
 
 
 def test_ignore_eos_keeps_generating_to_the_limit(llama_engine, monkeypatch):

@@ -115,6 +115,23 @@ def test_policy_contract(name):
     assert policy.fingerprint().startswith(f"{name}(")
 
 
+@pytest.mark.parametrize("name", ["kvzip", "kvzap"])
+def test_scored_policies_keep_a_peaks_neighbours_and_count_by_its_own_scores(name):
+    """kernel 5: a lone high score keeps its 2 neighbours each side; kernel 1: only itself.
+    With ``tau`` the count is the rows above it by their own scores, not the pooled ones."""
+    scores = torch.full((1, 1, 40), -10.0)
+    scores[0, 0, 20] = 5.0  # one peak in the prefix (rows 0-35; the last 4 are the window)
+    scores[0, 0, 5] = 4.0
+    pooled = make_policy(name, budget=5, window=4, kernel=5).keep_scored(scores, 40)[0, 0].tolist()
+    assert set(range(18, 23)) <= set(pooled) and set(range(36, 40)) <= set(pooled) and len(pooled) == 9
+    alone = make_policy(name, budget=2, window=4, kernel=1).keep_scored(scores, 40)[0, 0].tolist()
+    assert alone == [5, 20, 36, 37, 38, 39]
+    above = make_policy(name, tau=0.0, window=4, kernel=5).keep_scored(scores, 40)[0, 0].tolist()
+    assert len(above) == 2 + 4 and set(above[:2]) <= set(range(18, 23))  # 2 rows above tau; chosen pooled
+    with pytest.raises(InvalidArgument, match="kernel must be odd"):
+        make_policy(name, kernel=4)
+
+
 def test_full_never_compresses():
     assert not FullKV().compresses(10_000)
 

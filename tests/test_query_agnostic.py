@@ -165,6 +165,43 @@ def test_the_service_opens_kvzip_sessions_and_refuses_kvzap_without_weights(serv
     assert refused.status_code == 400 and "kvzap_train.py" in refused.json()["error"]["message"]
 
 
+def test_grpc_opens_kvzip_sessions_with_their_params_and_refuses_kvzap_without_weights(service):
+    """The same over gRPC: kvzip's budget and window in the settings' fields, its other
+    parameters in ``params`` (coerced by type); a follow-up turn keeps the session's policy."""
+    import grpc
+
+    from kvsnap.service.grpc_stubs import pb2, pb2_grpc
+
+    stub = pb2_grpc.KvsnapStub(grpc.insecure_channel(service.grpc))
+    md = [("authorization", "Bearer key-alpha")]
+    doc = "The harbour master logs every ship. The code word is amber falcon. " * 4
+    settings = pb2.SessionSettings(policy="kvzip", budget=32, window=16)
+    state = stub.CreateSession(
+        pb2.CreateSessionRequest(session_id="zip-grpc", document=doc, settings=settings), metadata=md
+    )
+    assert state.policy.startswith("kvzip(") and state.kept_len == 48 < state.logical_len  # before any question
+    chunks = list(stub.Turn(pb2.TurnRequest(session_id="zip-grpc", message="What is the code word?"), metadata=md))
+    done = chunks[-1]
+    assert done.done and done.state.policy == state.policy and done.state.turns == state.turns + 1
+    threshold = pb2.SessionSettings(policy="kvzip", params={"tau": "-30.5"})
+    state = stub.CreateSession(pb2.CreateSessionRequest(document=doc, settings=threshold), metadata=md)
+    assert "tau=-30.5" in state.policy  # a parameter with no field of its own, parsed as its type
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.CreateSession(
+            pb2.CreateSessionRequest(
+                document=doc, settings=pb2.SessionSettings(policy="kvzap", params={"surrogate": "mlp"})
+            ),
+            metadata=md,
+        )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kvzap_train.py" in refused.value.details()
+    with pytest.raises(grpc.RpcError) as bad:
+        stub.CreateSession(
+            pb2.CreateSessionRequest(document=doc, settings=pb2.SessionSettings(policy="kvzip", params={"tau": "x"})),
+            metadata=md,
+        )
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tau" in bad.value.details()
+
+
 def test_kvzap_with_a_threshold_prunes_the_answer_too_and_a_rebuild_replays_it(llama_engine, tiny_surrogates):
     """Phase-agnostic: with ``tau`` the answer's rows are scored as they are generated and
     pruned a window at a time once older than the recent window; a rebuild from the token log
