@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "head_bench.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     batches = [int(b) for b in args.batches.split(",")]
     loaded = load_model(args.model)
     engines = {"screen": Engine(loaded, greedy_screen=True), "fp32": Engine(loaded, greedy_screen=False)}
@@ -86,7 +87,7 @@ def main() -> None:
             row[f"batch_gain_{name}"] = base[name] * row["batch"] / row[f"step_ms_{name}"]
     result = {
         "command": "python bench/head_bench.py " + " ".join(f"--{k}={v}" for k, v in vars(args).items() if k != "out"),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "started": started,
         "rows": rows,
     }
     out = Path(args.out)

@@ -24,7 +24,7 @@ def _spec_pattern() -> re.Pattern:
     prefill, decode = _spec_names()
     return re.compile(
         rf"^(?P<policy>full|(?:{'|'.join(prefill)}):(?:(?P<budget>[1-9][0-9]*)|r(?P<ratio>0?\.[0-9]+)"
-        r"|t(?P<tau>-?[0-9]+(?:\.[0-9]+)?)))"
+        r"|t(?P<tau>-?[0-9]+(?:\.[0-9]+)?))(?:/k(?P<kernel>[1-9][0-9]*))?)"
         rf"(?:\+(?P<decode>{'|'.join(decode)}):(?P<decode_budget>[1-9][0-9]*))?"
         r"(?:@(?P<quant>kivi2|kivi4))?$"
     )
@@ -37,7 +37,8 @@ SINKS = 4  # streaming's attention sinks, here and as a decode-time policy
 class PolicySpec:
     """A policy named on the command line: ``<prefill>[+<decode>:<budget>][@kivi2|@kivi4]``;
     a prefill budget may instead be ``r<share>`` (a share of the prefix: ``snapkv:r0.33``) or,
-    for kvzip and kvzap, ``t<log score>`` (a threshold: ``kvzap:t-4``).
+    for kvzip and kvzap, ``t<log score>`` (a threshold: ``kvzap:t-4``); ``/k<n>`` after it sets
+    the pooling kernel of a policy that has one (``kvzip:r0.33/k1``: no pooling).
 
     Prefill: ``full`` | ``snapkv:B`` | ``reselect:B`` | ``streaming:B`` | ``h2o:B`` |
     ``scissorhands:B``. Each compressing one holds B + the observation window rows per KV
@@ -63,6 +64,7 @@ class PolicySpec:
     quant: str = ""
     ratio: float | None = None  # ``snapkv:r0.33``: keep that share of the prefix instead of a budget
     tau: float | None = None  # ``kvzap:t-4``: keep the rows scoring above this log score (kvzip, kvzap)
+    kernel: int | None = None  # ``kvzip:r0.33/k1``: the policy's pooling kernel instead of its default
 
     @classmethod
     def parse(cls, text: str) -> PolicySpec:
@@ -87,6 +89,7 @@ class PolicySpec:
             m["quant"] or "",
             float(m["ratio"]) if m["ratio"] else None,
             float(m["tau"]) if m["tau"] is not None else None,
+            int(m["kernel"]) if m["kernel"] else None,
         )
 
     def settings(self, window: int) -> dict:
@@ -104,6 +107,8 @@ class PolicySpec:
         if self.ratio is not None or self.tau is not None:  # instead of the budget
             out.pop("budget", None)
             out |= {"ratio": self.ratio} if self.ratio is not None else {"tau": self.tau}
+        if self.kernel is not None:
+            out["kernel"] = self.kernel
         if self.decode == "streaming":
             out["decode"] = {"policy": "streaming", "window": self.decode_budget + window - SINKS, "sinks": SINKS}
         elif self.decode:
