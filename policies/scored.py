@@ -22,12 +22,14 @@ others either the ``budget`` best per KV head (``tau`` unset) or those scoring a
 mean over the layer's KV heads, and each head keeps its best that many: the share kept
 still follows the text, not a fixed ratio.
 
-"Best" is by the highest score within ``kernel`` rows around each row (max-pooling, as SnapKV
-pools its votes; 15 by default, 1 = each row's own score): a fact is a span of tokens (a
-number is one token per digit in SmolLM2's vocabulary), and a span loses its meaning with
-any one of them. Neither paper pools; on SmolLM2-135M's document-first task at 3x it raises
-kvzip from 54 % to 67 % and kvzap from 58 % to 67 % (full KV: 71 %), and Gemma 3 270M's 92 %
-stays (docs/BENCHMARKS.md, "Compressing before the question").
+With a budget (or ratio), "best" is by the highest score within ``kernel`` rows around each
+row (max-pooling, as SnapKV pools its votes; 15 by default, 1 = each row's own score): a
+fact is a span of tokens (a number is one token per digit in SmolLM2's vocabulary), and a
+span loses its meaning with any one of them. Neither paper pools; the measured effect is in
+docs/BENCHMARKS.md, "Compressing before the question". With ``tau`` the default is no
+pooling (pooling the rows a threshold keeps, the answers' blocks included, made Gemma 3 270M
+repeat its first answer in a trial: 1 of 4 answers against 3 of 4 unpooled); a ``kernel``
+set explicitly pools there too.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from kvsnap.errors import InvalidArgument
 
 from .base import Policy, _check_int
 
+DEFAULT_KERNEL = 15  # pooling of a budget's (or ratio's) choice; none with a threshold
+
 
 @dataclass(frozen=True, slots=True)
 class ScoredPolicy(Policy):
@@ -52,13 +56,14 @@ class ScoredPolicy(Policy):
 
     window: int = 128
     tau: float | None = None  # keep the turn's rows whose log score is above this (unset: ``budget`` of them)
-    kernel: int = 15  # odd; > 1: rows are chosen by the best score within ``kernel`` rows (1: their own)
+    kernel: int | None = None  # odd: rows are chosen by the best score within ``kernel`` rows (None: pool())
 
     def __post_init__(self) -> None:
         Policy.__post_init__(self)
-        _check_int("kernel", self.kernel, minimum=1)
-        if self.kernel % 2 == 0:
-            raise InvalidArgument(f"kernel must be odd (so pooling keeps the length), got {self.kernel}")
+        if self.kernel is not None:
+            _check_int("kernel", self.kernel, minimum=1)
+            if self.kernel % 2 == 0:
+                raise InvalidArgument(f"kernel must be odd (so pooling keeps the length), got {self.kernel}")
         if self.tau is not None and (
             isinstance(self.tau, bool) or not isinstance(self.tau, float | int) or not math.isfinite(self.tau)
         ):
@@ -66,6 +71,12 @@ class ScoredPolicy(Policy):
 
     def score(self, window_queries: torch.Tensor, keys: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         raise InvalidArgument(f"policy {self.name!r} scores rows itself (engine: {self.scored_by}), not by a window")
+
+    def pool(self) -> int:
+        """The pooling kernel: ``kernel`` if set, else 15 for a budget and 1 (none) with ``tau``."""
+        if self.kernel is not None:
+            return self.kernel
+        return 1 if self.tau is not None else DEFAULT_KERNEL
 
     def keep_scored(self, scores: torch.Tensor, length: int, window: int | None = None) -> torch.Tensor:
         """Rows of a layer of ``length`` rows to keep, sorted ascending: ``[B, H_kv, k]``.
@@ -82,9 +93,10 @@ class ScoredPolicy(Policy):
             k = min(self.prefix_budget(n - w), n - w)
         else:  # how many: the rows' own scores (pooling would inflate the count)
             k = int(torch.round((prefix > self.tau).float().sum(dim=-1).mean()).item()) if n > w else 0
-        if self.kernel > 1 and n > w:  # which: each row by its neighbourhood's best
+        kernel = self.pool()
+        if kernel > 1 and n > w:  # which: each row by its neighbourhood's best
             flat = prefix.reshape(batch * kv_heads, 1, n - w).float()
-            prefix = F.max_pool1d(flat, self.kernel, stride=1, padding=self.kernel // 2).view(batch, kv_heads, n - w)
+            prefix = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).view(batch, kv_heads, n - w)
         chosen = prefix.topk(k, dim=-1).indices + old  # [B, H_kv, k]
         always = torch.cat([torch.arange(old, device=device), torch.arange(length - w, length, device=device)])
         kept = torch.cat([always.expand(batch, kv_heads, -1), chosen], dim=-1)

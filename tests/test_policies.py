@@ -118,7 +118,8 @@ def test_policy_contract(name):
 @pytest.mark.parametrize("name", ["kvzip", "kvzap"])
 def test_scored_policies_keep_a_peaks_neighbours_and_count_by_its_own_scores(name):
     """kernel 5: a lone high score keeps its 2 neighbours each side; kernel 1: only itself.
-    With ``tau`` the count is the rows above it by their own scores, not the pooled ones."""
+    With ``tau`` the count is the rows above it by their own scores, not the pooled ones, and
+    by default nothing is pooled."""
     scores = torch.full((1, 1, 40), -10.0)
     scores[0, 0, 20] = 5.0  # one peak in the prefix (rows 0-35; the last 4 are the window)
     scores[0, 0, 5] = 4.0
@@ -128,6 +129,8 @@ def test_scored_policies_keep_a_peaks_neighbours_and_count_by_its_own_scores(nam
     assert alone == [5, 20, 36, 37, 38, 39]
     above = make_policy(name, tau=0.0, window=4, kernel=5).keep_scored(scores, 40)[0, 0].tolist()
     assert len(above) == 2 + 4 and set(above[:2]) <= set(range(18, 23))  # 2 rows above tau; chosen pooled
+    assert make_policy(name, tau=0.0, window=4).keep_scored(scores, 40)[0, 0].tolist() == [5, 20, 36, 37, 38, 39]
+    assert make_policy(name, window=4).pool() == 15 and make_policy(name, tau=1.0).pool() == 1  # the defaults
     with pytest.raises(InvalidArgument, match="kernel must be odd"):
         make_policy(name, kernel=4)
 

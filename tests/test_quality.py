@@ -164,7 +164,7 @@ def test_document_first_cases_compress_before_the_questions(llama_engine):
     assert abs(kvzip - snapkv) < 0.05 * snapkv and max(kvzip, snapkv) < 0.5 * first["full"].kv_bytes
     assert quality.PolicySpec.parse("kvzap:t-4.5").settings(8) == {"policy": "kvzap", "window": 8, "tau": -4.5}
     unpooled, _, _ = quality.PolicySpec.parse("kvzip:r0.3/k1").build(8)  # the pooling kernel, spelled out
-    assert unpooled.kernel == 1 and quality.PolicySpec.parse("kvzip:r0.3").build(8)[0].kernel == 15
+    assert unpooled.pool() == 1 and quality.PolicySpec.parse("kvzip:r0.3").build(8)[0].pool() == 15
     with pytest.raises(InvalidArgument, match="kernel"):
         quality.PolicySpec.parse("streaming:64/k3").build(8)
     with pytest.raises(InvalidArgument, match="kvzip and kvzap only"):
