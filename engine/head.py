@@ -31,8 +31,7 @@ import torch
 SCREEN_MIN_WEIGHTS = 1 << 22  # a smaller head costs too little for a screen to pay
 SCREEN_MIN_ROWS = 6  # fewer greedy rows: the first pass is fp32 (as fast there: bench/head_bench.py)
 _U = 2.0**-8  # bfloat16's unit roundoff
-_FP32_PRODUCT = 2.0**-24 / (1 - 2.0**-24)  # fp32 accumulation, per term
-_FP32_OUT = 2.0**-24 / (1 - 2.0**-24)  # fp32 output rounding
+_FP32 = 2.0**-24 / (1 - 2.0**-24)  # fp32 rounding, relative: per accumulated term, and of the output
 
 
 class LMHead:
@@ -83,7 +82,7 @@ class LMHead:
         hidden = hidden.float()
         if hidden.shape[0] < SCREEN_MIN_ROWS:  # fp32 costs no more here (the bf16 kernel is no faster)
             raw = self._raw(hidden).contiguous()  # [G, V] (the product is [V, G])
-            rows, cols = self._candidates(raw, hidden, _FP32_PRODUCT * hidden.shape[1], _FP32_OUT)
+            rows, cols = self._candidates(raw, hidden, _FP32 * hidden.shape[1], _FP32)
             logits = self._cap(raw).float()
         else:
             approx = torch.nn.functional.linear(hidden.to(torch.bfloat16), self.weight_bf16)  # [G, V]

@@ -175,3 +175,10 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise InvalidArgument(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise InvalidArgument(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_kernel(kernel: object) -> None:
+    """A pooling kernel over rows: a positive odd integer (so pooling keeps the length)."""
+    _check_int("kernel", kernel, minimum=1)
+    if kernel % 2 == 0:
+        raise InvalidArgument(f"kernel must be odd (so pooling keeps the length), got {kernel}")

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from kvsnap.errors import InvalidArgument
 
-from .base import Policy, _check_int
+from .base import Policy, _check_kernel
 
 DEFAULT_KERNEL = 15  # pooling of a budget's (or ratio's) choice; none with a threshold
 
@@ -61,9 +61,7 @@ class ScoredPolicy(Policy):
     def __post_init__(self) -> None:
         Policy.__post_init__(self)
         if self.kernel is not None:
-            _check_int("kernel", self.kernel, minimum=1)
-            if self.kernel % 2 == 0:
-                raise InvalidArgument(f"kernel must be odd (so pooling keeps the length), got {self.kernel}")
+            _check_kernel(self.kernel)
         if self.tau is not None and (
             isinstance(self.tau, bool) or not isinstance(self.tau, float | int) or not math.isfinite(self.tau)
         ):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from kvsnap.errors import InvalidArgument
 
-from .base import Policy, _check_int, window_attention
+from .base import Policy, _check_kernel, window_attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +32,7 @@ class SnapKV(Policy):
 
     def __post_init__(self) -> None:
         Policy.__post_init__(self)
-        _check_int("kernel", self.kernel, minimum=1)
-        if self.kernel % 2 == 0:
-            raise InvalidArgument(f"kernel must be odd (so pooling keeps the length), got {self.kernel}")
+        _check_kernel(self.kernel)
         if self.pooling not in ("max", "avg"):
             raise InvalidArgument(f"pooling must be 'max' or 'avg', got {self.pooling!r}")
         if self.gqa_reduce not in ("mean", "max"):
