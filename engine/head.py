@@ -30,6 +30,7 @@ import torch
 
 SCREEN_MIN_WEIGHTS = 1 << 22  # a smaller head costs too little for a screen to pay
 SCREEN_MIN_ROWS = 6  # fewer greedy rows: the first pass is fp32 (as fast there: bench/head_bench.py)
+EXACT_CHUNK = 4096  # candidates recomputed in float64 at a time (a few MiB of gathered rows)
 _U = 2.0**-8  # bfloat16's unit roundoff
 _FP32 = 2.0**-24 / (1 - 2.0**-24)  # fp32 rounding, relative: per accumulated term, and of the output
 
@@ -90,8 +91,10 @@ class LMHead:
             logits = torch.full_like(approx, -torch.inf, dtype=torch.float32)
         if rows is None:  # overflow in the first pass: no bound holds
             return self.full(hidden)
-        exact = (self.weight[cols].double() * hidden[rows].double()).sum(-1)  # [candidates]
-        logits[rows, cols] = self._cap(exact).float()
+        for start in range(0, len(cols), EXACT_CHUNK):  # chunked: a flat row could make every token one
+            r, c = rows[start : start + EXACT_CHUNK], cols[start : start + EXACT_CHUNK]
+            exact = (self.weight[c].double() * hidden[r].double()).sum(-1)  # [candidates]
+            logits[r, c] = self._cap(exact).float()
         return logits
 
     def _candidates(self, approx: torch.Tensor, hidden: torch.Tensor, a: float, b: float):

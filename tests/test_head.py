@@ -56,6 +56,19 @@ def test_greedy_rows_get_the_exact_argmax_on_near_ties(rows):
         assert torch.isfinite(logits[r]).sum() >= 1
 
 
+def test_a_flat_row_makes_every_token_a_candidate_and_is_recomputed_in_chunks(monkeypatch):
+    """A zero hidden state gives every token the same logit: all are candidates; the float64
+    recompute goes in chunks (bounded memory) and the argmax is the first token, as torch's."""
+    monkeypatch.setattr("kvsnap.engine.head.EXACT_CHUNK", 64)
+    weight, hidden, _ = near_ties(rows=6)
+    hidden[2] = 0.0
+    head = LMHead(Head(weight), softcap=None, screen=True)
+    for rows in (3, 6):  # the fp32 first pass, and the bf16 one
+        logits = head(hidden[:rows], [True] * rows)
+        assert torch.isfinite(logits[2]).all() and (logits[2] == 0).all()
+        assert logits.argmax(-1).tolist() == exact_argmax(weight, hidden[:rows])
+
+
 def test_softcap_keeps_the_argmax_and_caps_the_values():
     weight, hidden, best = near_ties(rows=6)
     head = LMHead(Head(weight), softcap=50.0, screen=True)
