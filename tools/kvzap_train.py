@@ -25,6 +25,7 @@ import torch
 
 from kvsnap.engine import Engine
 from kvsnap.engine.batch import Row
+from kvsnap.engine.session import Session
 from kvsnap.policies import FullKV
 from kvsnap.policies.kvzap import SURROGATES, Surrogate
 
@@ -101,16 +102,23 @@ class _Inputs:
 
 
 @torch.inference_mode()
-def pairs(engine: Engine, tokens: list[int]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-    """Per full-attention layer: the attention inputs ``[n, D]`` of a text's rows and their
-    KVzip+ log scores ``[n, H_kv]``."""
+def attention_inputs(engine: Engine, tokens: list[int]) -> tuple[Session, dict[int, torch.Tensor]]:
+    """A full-KV session that prefilled ``tokens``, and per full-attention layer the attention
+    inputs ``[n, D]`` of its rows (what a surrogate reads)."""
     session = engine.new_session(FullKV())
     inputs = _Inputs(engine.full_layers)
     for start in range(0, len(tokens), engine.prefill_chunk):
         engine.step([Row(session, tokens[start : start + engine.prefill_chunk], inputs)])
     session.transcript.extend(tokens)
+    return session, {i: torch.cat(inputs.hidden[i]) for i in engine.full_layers}
+
+
+@torch.inference_mode()
+def pairs(engine: Engine, tokens: list[int]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Per full-attention layer: the attention inputs ``[n, D]`` of a text's rows and their
+    KVzip+ log scores ``[n, H_kv]``."""
+    session, x = attention_inputs(engine, tokens)
     scores = engine._reconstruction_scores(session, tokens)
-    x = {i: torch.cat(inputs.hidden[i]) for i in engine.full_layers}
     y = {i: scores[i][0].t().float().cpu() for i in engine.full_layers}
     return x, y
 

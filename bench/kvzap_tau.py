@@ -1,0 +1,77 @@
+"""The kvzap threshold that keeps a given share of an eval's own documents (equal bytes).
+
+``kvsnap eval`` compares policies at equal KV bytes; a threshold (``kvzap:t<tau>``) keeps what
+scores above it, so how many rows it keeps depends on the text. The training report's ``tau``
+(``docs/results/kvzap_train_<model>.json``) keeps a share of the *training* text's rows; the
+eval's synthetic documents (a few planted facts in repeated filler) score lower, so that tau
+keeps fewer of their rows. This script builds the same documents ``kvsnap eval`` builds
+(``docfirst``: ``--lengths`` x ``--seeds``, ``--keys`` facts each), runs each surrogate over
+every full-attention layer's attention input, and reports the log score above which
+``--share`` of the documents' prunable rows lie (every layer, KV head and document together;
+the last ``--window`` rows of a document are always kept and not counted). That tau, passed as
+``kvzap:t<tau>``, lands on the bytes of ``kvzap:r<share>`` while choosing per layer and per
+document by the scores. Writes a JSON report.
+
+Usage: python bench/kvzap_tau.py --model smollm2-135m --lengths 1024,2048 --seeds 6 --share 0.33
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from kvsnap.engine import Engine, load_model
+from kvsnap.policies.kvzap import SURROGATES
+from kvsnap.tools.kvzap_train import attention_inputs
+from kvsnap.tools.quality import EvalSpec, build_cases
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@torch.inference_mode()
+def predicted(engine: Engine, tokens: list[int], kind: str, window: int) -> torch.Tensor:
+    """Every prunable row's predicted log score (all full-attention layers and KV heads)."""
+    _, hidden = attention_inputs(engine, tokens)
+    net, prunable = engine.surrogate(kind), len(tokens) - window
+    return torch.cat([net(i, hidden[i])[:, :prunable].flatten() for i in engine.full_layers])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--lengths", default="1024,2048")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--keys", type=int, default=4)
+    ap.add_argument("--share", type=float, default=0.33, help="share of the prunable rows to keep")
+    ap.add_argument("--window", type=int, default=32, help="kvsnap eval's window (always kept)")
+    ap.add_argument("--out", default=None, help="report JSON (default docs/results/kvzap_tau_<model>.json)")
+    args = ap.parse_args()
+    if not 0 < args.share < 1:
+        ap.error("--share must lie in (0, 1)")
+    t0 = time.perf_counter()
+    engine = Engine(load_model(args.model), prefill_chunk=512)
+    lengths = tuple(int(x) for x in args.lengths.split(","))
+    spec = EvalSpec(tasks=("docfirst",), lengths=lengths, seeds=args.seeds, keys=args.keys, policies=("full",))
+    documents = [engine.encode(case.opening, first=True) for case in build_cases(engine.tokenizer, spec)]
+    report = {"args": vars(args), "documents": len(documents), "tau": {}, "kept_share_per_document": {}}
+    for kind in SURROGATES:
+        scores = [predicted(engine, doc, kind, args.window) for doc in documents]
+        tau = float(torch.quantile(torch.cat(scores), 1 - args.share))
+        report["tau"][kind] = round(tau, 2)  # as a spec gives it: kvzap:t<tau>
+        report["kept_share_per_document"][kind] = [round(float((s > tau).float().mean()), 3) for s in scores]
+    report["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    out = Path(args.out or ROOT / "docs" / "results" / f"kvzap_tau_{args.model}.json")
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    for kind, tau in report["tau"].items():
+        shares = report["kept_share_per_document"][kind]
+        print(f"{args.model} {kind}: tau {tau} keeps {args.share:.0%} of {len(documents)} documents' prunable rows "
+              f"(per document {min(shares):.0%}-{max(shares):.0%}); use kvzap:t{tau}")  # fmt: skip
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
