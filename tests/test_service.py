@@ -537,23 +537,31 @@ def test_concurrent_turns_on_one_replica_decode_together_and_equal_the_engine(se
     """Continuous batching through the service: two sessions held by one replica answer at
     once, their turns share decode steps (the replica's batch-size histogram in /metrics), and
     every answer is the one the engine gives that conversation alone. (Two, not three: the
-    test service gives a holder's sessions away at three requests in flight.)"""
-    holders: dict[str, list[str]] = {}
-    for i in range(3):  # two replicas: one of them holds two of three sessions
-        sid = f"batch-{i}"
-        assert create(service, sid).status_code == 201
-        holders.setdefault(turn(service, sid, QUESTIONS[0]).json()["worker"], []).append(sid)
-    worker, sids = max(holders.items(), key=lambda kv: len(kv[1]))
-    sids = sids[:2]
-    assert len(sids) == 2
-    assert _wait_for(lambda: _batch_steps(service, worker)[0] > 0, 10)  # published with the heartbeat
-    steps_before, single_before = _batch_steps(service, worker)
-    with ThreadPoolExecutor(2) as pool:
-        answers = list(pool.map(lambda sid: turn(service, sid, QUESTIONS[1], max_tokens=60).json(), sids))
+    test service gives a holder's sessions away at three requests in flight.) The router may
+    still move one of the two (it judges the holder by load it last saw: once in a full run,
+    a session moved with two in flight); the answer must then still be right, and the test
+    tries again with new sessions, up to three times."""
     want = reference_answers(llama_engine, DOC, QUESTIONS[:2], [6, 60])[-1]
-    for answer in answers:
-        assert answer["worker"] == worker and answer["source"] == "device"
-        assert answer["text"] == want
+    seen = []
+    for attempt in range(3):
+        holders: dict[str, list[str]] = {}
+        for i in range(3):  # two replicas: one of them holds two of three sessions
+            sid = f"batch-{attempt}-{i}"
+            assert create(service, sid).status_code == 201
+            holders.setdefault(turn(service, sid, QUESTIONS[0]).json()["worker"], []).append(sid)
+        worker, sids = max(holders.items(), key=lambda kv: len(kv[1]))
+        sids = sids[:2]
+        assert len(sids) == 2
+        assert _wait_for(lambda w=worker: _batch_steps(service, w)[0] > 0, 10)  # published with the heartbeat
+        steps_before, single_before = _batch_steps(service, worker)
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda sid: turn(service, sid, QUESTIONS[1], max_tokens=60).json(), sids))
+        assert [answer["text"] for answer in answers] == [want, want]
+        seen.append([(answer["worker"], answer["source"]) for answer in answers])
+        if all(answer["worker"] == worker and answer["source"] == "device" for answer in answers):
+            break
+    else:
+        pytest.fail(f"in three tries, no two concurrent turns stayed on their holder: {seen}")
     assert _wait_for(lambda: _batch_steps(service, worker)[0] > steps_before, 10)
     steps, single = _batch_steps(service, worker)
     assert steps - steps_before > single - single_before  # some decode steps ran both sessions
