@@ -33,11 +33,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @torch.inference_mode()
-def predicted(engine: Engine, tokens: list[int], kind: str, window: int) -> torch.Tensor:
-    """Every prunable row's predicted log score (all full-attention layers and KV heads)."""
+def predicted(engine: Engine, tokens: list[int], window: int) -> dict[str, torch.Tensor]:
+    """Per surrogate kind, every prunable row's predicted log score (all full-attention layers
+    and KV heads), from one prefill of ``tokens``."""
     _, hidden = attention_inputs(engine, tokens)
-    net, prunable = engine.surrogate(kind), len(tokens) - window
-    return torch.cat([net(i, hidden[i])[:, :prunable].flatten() for i in engine.full_layers])
+    prunable = len(tokens) - window
+    return {
+        kind: torch.cat([engine.surrogate(kind)(i, hidden[i])[:, :prunable].flatten() for i in engine.full_layers])
+        for kind in SURROGATES
+    }
 
 
 def main() -> None:
@@ -58,8 +62,9 @@ def main() -> None:
     spec = EvalSpec(tasks=("docfirst",), lengths=lengths, seeds=args.seeds, keys=args.keys, policies=("full",))
     documents = [engine.encode(case.opening, first=True) for case in build_cases(engine.tokenizer, spec)]
     report = {"args": vars(args), "documents": len(documents), "tau": {}, "kept_share_per_document": {}}
+    per_document = [predicted(engine, doc, args.window) for doc in documents]
     for kind in SURROGATES:
-        scores = [predicted(engine, doc, kind, args.window) for doc in documents]
+        scores = [by_kind[kind] for by_kind in per_document]
         tau = float(torch.quantile(torch.cat(scores), 1 - args.share))
         report["tau"][kind] = round(tau, 2)  # as a spec gives it: kvzap:t<tau>
         report["kept_share_per_document"][kind] = [round(float((s > tau).float().mean()), 3) for s in scores]
