@@ -35,22 +35,21 @@ from kvsnap.policies.kvzap import KVzap
 from kvsnap.policies.kvzip import KVzip
 from kvsnap.tools.backends import ANSWER_TOKENS
 from kvsnap.tools.quality import EvalSpec, build_cases
+from kvsnap.tools.tasks import NEEDLE
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("full", "kvzip", "kvzap", "kvzip+facts")
-NEEDLE = re.compile(r"The special magic number for \w+ is \d+\. ")
+FACT = re.compile(re.escape(NEEDLE).replace(r"\{name\}", r"\w+").replace(r"\{value\}", r"\d+"))
 
 
 def fact_rows(tokenizer, document: str, tokens: list[int]) -> list[int]:
     """The rows of ``tokens`` (the document with any BOS) that hold a planted fact's characters."""
     offsets = tokenizer(document, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     shift = len(tokens) - len(offsets)
-    return [
-        i + shift
-        for m in NEEDLE.finditer(document)
-        for i, (a, b) in enumerate(offsets)
-        if a < m.end() and b > m.start()
-    ]
+    facts = list(FACT.finditer(document))
+    if not facts:
+        raise SystemExit("no planted fact found: tools/tasks.py NEEDLE and this document disagree")
+    return [i + shift for m in facts for i, (a, b) in enumerate(offsets) if a < m.end() and b > m.start()]
 
 
 @torch.inference_mode()

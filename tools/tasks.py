@@ -44,6 +44,7 @@ def pass_key_prompt(tokenizer, target_tokens: int = 1500, depth: float = 0.5, se
 # box") the embedded 270M model mixed keys up even with full KV (38% vs 100% measured on
 # 12 questions at 2K tokens).
 KEY_NAMES = ("apple", "river", "castle", "tiger", "violin", "pencil", "rocket", "garden")
+NEEDLE = "The special magic number for {name} is {value}. "  # one planted key
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +71,7 @@ def multi_key_prompt(tokenizer, target_tokens: int = 1500, keys: int = 4, seed: 
     names = tuple(rng.sample(KEY_NAMES, keys))
     answers = tuple(str(rng.randint(10000, 99999)) for _ in range(keys))
     depths = tuple((i + rng.uniform(0.1, 0.9)) / keys for i in range(keys))
-    needles = [f"The special magic number for {n} is {v}. " for n, v in zip(names, answers, strict=True)]
+    needles = [NEEDLE.format(name=n, value=v) for n, v in zip(names, answers, strict=True)]
     question = MultiKeyPrompt("", names, answers, depths).question(0)
     overhead = len(tokenizer.encode(INTRO + "".join(needles) + question, add_special_tokens=True))
     per_filler = len(tokenizer.encode(FILLER * 10, add_special_tokens=False)) / 10
