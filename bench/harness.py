@@ -47,7 +47,7 @@ def start_service(**overrides):
         max_new_tokens=64,
         default_max_tokens=16,
         request_timeout_s=900,
-        defaults=PolicyDefaults(budget=512, window=32),
+        defaults=PolicyDefaults(policy="snapkv", budget=512, window=32, kernel=7, spans=False),  # as its results ran
     )
     redis_url, data_dir = overrides.pop("redis_url"), overrides.pop("data_dir")
     cfg = ServiceConfig(**(fields | overrides), data_dir=data_dir)

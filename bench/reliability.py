@@ -90,7 +90,7 @@ RETRYABLE = {429, 503}
 KEY_A, KEY_B = "rel-" + os.urandom(12).hex(), "rel-" + os.urandom(12).hex()
 ADMIN_KEY = "rel-admin-" + os.urandom(12).hex()
 # the service's default policy (SnapKV) for this suite: small enough that ~800-token documents compress
-DEFAULTS = dict(policy="snapkv", budget=128, window=16, kernel=7, pooling="max")
+DEFAULTS = dict(policy="snapkv", budget=128, window=16, kernel=7, pooling="max", spans=False)
 WRONG_KEY = "rel-wrong-" + os.urandom(12).hex()
 FUZZ_SESSION = "rel-fuzz"  # the fuzzers may talk to this one; the verified sessions are out of their reach
 

@@ -36,6 +36,7 @@ from .head import LMHead
 from .models import LoadedModel
 from .sampling import SamplingParams
 from .session import Session, TurnMark, TurnReport, marks_cover
+from .spans import layer_spans, span_ends
 from .turn import Prefill, Timer, Turn
 
 
@@ -114,6 +115,7 @@ class Engine:
             if not getattr(module, "_kvsnap_hooked", False):  # one hook per module: engines may share a model
                 module.register_forward_pre_hook(hidden_hook, with_kwargs=True)
                 module._kvsnap_hooked = True
+        self._span_ends: torch.Tensor | None = None  # engine/spans.py, built when a policy first needs it
         self.surrogates: dict[str, Surrogate] = {}  # KVzap's, by kind, loaded when first asked for
         self.repeat_ids = self.encode(REPEAT_PROMPT, first=False)  # what KVzip+'s scratch pass asks first
 
@@ -227,16 +229,19 @@ class Engine:
                 scores = {idx: torch.cat(captured.scores[idx], dim=-1)[None] for idx in captured.layers}
             else:
                 scores = self._reconstruction_scores(session, new)
+            spans = self.row_spans(scored, new)
             for idx, layer_scores in scores.items():
                 layer: CompressedLayer = session.cache.layers[idx]
-                positions = scored.keep_scored(layer_scores.to(layer.keys.device), layer.kept_len)
+                positions = scored.keep_scored(layer_scores.to(layer.keys.device), layer.kept_len, spans=spans)
                 if positions.shape[-1] < layer.kept_len:
                     layer.keep(positions)
             return
         for idx in captured.layers:
             layer: CompressedLayer = session.cache.layers[idx]
+            spans = self.row_spans(session.policy, new, old_rows=layer.kept_len - len(new))
+            scale = captured.scales.get(idx)
             positions = session.policy.select(
-                captured.queries[idx], layer.keys, captured.scales.get(idx), logical_len=session.logical_len
+                captured.queries[idx], layer.keys, scale, logical_len=session.logical_len, spans=spans
             )
             if positions.shape[-1] < layer.kept_len:
                 layer.keep(positions)
@@ -263,6 +268,15 @@ class Engine:
             values = session.cache.layers[idx].values[:, :, start : start + n]
             out[idx] = capture.scores(idx, values, self.attention[idx].o_proj.weight)
         return out
+
+    def row_spans(self, policy: Policy, tokens: list[int], old_rows: int = 0) -> torch.Tensor | None:
+        """Span ids of a layer's rows for a policy that keeps sentence spans (else None): ``old_rows``
+        rows kept from earlier turns, a span each, then the rows of ``tokens`` (engine/spans.py)."""
+        if not policy.keeps_spans:
+            return None
+        if self._span_ends is None:  # which tokens end a span: built once
+            self._span_ends = span_ends(self.tokenizer, self.vocab_size)
+        return layer_spans(self._span_ends, old_rows, tokens)
 
     def surrogate(self, kind: str) -> Surrogate:
         """This model's KVzap surrogate of ``kind`` (policies/kvzap_weights/); InvalidArgument,
@@ -291,6 +305,7 @@ class Engine:
         """
         full = session.full_kv if session.full_kv is not None else {}
         new = session.logical_len - session.full_len
+        spans = self.row_spans(session.policy, session.transcript[: session.logical_len])  # the full copy's rows
         for idx in captured.layers:
             layer: CompressedLayer = session.cache.layers[idx]
             kept = layer.kept_len - new  # rows before these were selected earlier (all of them in the copy)
@@ -304,6 +319,7 @@ class Engine:
                 captured.scales.get(idx),
                 logical_len=session.logical_len,
                 chunk=RESELECT_CHUNK,
+                spans=spans,
             )  # [1, H_kv, k] on the device
             host_positions = positions.to(full_k.device)
             layer.keys = gather_rows(full_k, host_positions).to(self.device, non_blocking=True)

@@ -31,6 +31,7 @@ class ByteTokenizer:
     """Bytes as tokens, for the tiny presets: 0 = pad, 1 = bos, 2 = eos, byte b = b + 3."""
 
     pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+    all_special_ids = (0, 1, 2)
     vocab_size = 259
     chat_template = None
 

@@ -49,6 +49,12 @@ class Policy:
         """False for policies that never drop a row (``full``): the engine skips query capture."""
         return True
 
+    @property
+    def keeps_spans(self) -> bool:
+        """True when the engine should hand :meth:`select` the rows' sentence spans (see
+        :func:`span_best`); policies with a ``spans`` parameter say so by it."""
+        return False
+
     def prefix_budget(self, prefix_len: int) -> int:
         """How many prefix rows to keep out of ``prefix_len``."""
         if self.ratio is not None:
@@ -67,6 +73,7 @@ class Policy:
         scale: float | None = None,
         logical_len: int | None = None,
         chunk: int | None = None,
+        spans: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rows to keep, sorted ascending, window included: [B, H_kv, k], on the queries' device.
 
@@ -74,6 +81,8 @@ class Policy:
         (tokens seen, when ``keys`` is already a compressed subset) sizes a ``ratio`` budget.
         ``chunk`` (policies that read keys, e.g. SnapKV): score ``keys`` that many rows at a
         time, so that ``keys`` may stay on another device (a full cache in host memory).
+        ``spans`` ([L], ascending span ids of the rows of ``keys``): a row is rated by the best
+        score of its span, so a span is kept whole or not at all (but for the last one chosen).
         """
         batch, kv_heads, length, _ = keys.shape
         w = window_queries.shape[-2]
@@ -87,6 +96,8 @@ class Policy:
             scores = self.score(window_queries, keys, scale)  # [B, H_kv, L - w]
         else:
             scores = self.score(window_queries, keys, scale, chunk=chunk)
+        if spans is not None:
+            scores = span_best(scores, spans[: length - w].to(device))
         prefix = scores.topk(k, dim=-1).indices
         tail = torch.arange(length - w, length, device=device).expand(batch, kv_heads, w)
         return torch.cat([prefix, tail], dim=-1).sort(dim=-1).values
@@ -124,8 +135,12 @@ class Wrapper:
     def prefix_budget(self, prefix_len: int) -> int:
         return self.wrapped.prefix_budget(prefix_len)
 
-    def select(self, window_queries, keys, scale=None, logical_len=None, chunk=None) -> torch.Tensor:
-        return self.wrapped.select(window_queries, keys, scale, logical_len, chunk)
+    @property
+    def keeps_spans(self) -> bool:
+        return self.wrapped.keeps_spans
+
+    def select(self, window_queries, keys, scale=None, logical_len=None, chunk=None, spans=None) -> torch.Tensor:
+        return self.wrapped.select(window_queries, keys, scale, logical_len, chunk, spans)
 
     def score(self, window_queries, keys, scale=None) -> torch.Tensor:
         return self.wrapped.score(window_queries, keys, scale)
@@ -164,6 +179,18 @@ def step_attention(query: torch.Tensor, keys: torch.Tensor, scale: float | None 
     return window_attention(query[:, :, -1:], keys, scale).mean(dim=2)[:, :, 0]
 
 
+def span_best(scores: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """Every row rated by the best score within its span: [B, H_kv, n] with spans [n] (ascending
+    ids, a span's rows contiguous) -> [B, H_kv, n]. A fact is a span of tokens (a 5-digit number
+    is five rows for a tokenizer that writes digits one by one); rows that share a rating are
+    kept together by a top-k."""
+    batch, heads, n = scores.shape
+    index = spans.view(1, 1, n).expand(batch, heads, n)
+    best = scores.new_full((batch, heads, int(spans[-1]) + 1 if n else 0), float("-inf"))
+    best.scatter_reduce_(-1, index, scores, reduce="amax")
+    return best.gather(-1, index)
+
+
 def gather_rows(states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """states: [B, H_kv, L, D], positions: [B, H_kv, k] -> [B, H_kv, k, D]."""
     index = positions.unsqueeze(-1).expand(-1, -1, -1, states.shape[-1])
@@ -175,6 +202,11 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise InvalidArgument(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise InvalidArgument(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be true or false, got {value!r}")
 
 
 def _check_kernel(kernel: object) -> None:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from kvsnap.errors import InvalidArgument
 
-from .base import Policy, _check_kernel
+from .base import Policy, _check_bool, _check_kernel, span_best
 
 DEFAULT_KERNEL = 15  # pooling of a budget's (or ratio's) choice; none with a threshold
 
@@ -57,9 +57,11 @@ class ScoredPolicy(Policy):
     window: int = 128
     tau: float | None = None  # keep the turn's rows whose log score is above this (unset: ``budget`` of them)
     kernel: int | None = None  # odd: rows are chosen by the best score within ``kernel`` rows (None: pool())
+    spans: bool = False  # rows are chosen by the best score within their sentence span (engine/spans.py)
 
     def __post_init__(self) -> None:
         Policy.__post_init__(self)
+        _check_bool("spans", self.spans)
         if self.kernel is not None:
             _check_kernel(self.kernel)
         if self.tau is not None and (
@@ -76,10 +78,17 @@ class ScoredPolicy(Policy):
             return self.kernel
         return 1 if self.tau is not None else DEFAULT_KERNEL
 
-    def keep_scored(self, scores: torch.Tensor, length: int, window: int | None = None) -> torch.Tensor:
+    @property
+    def keeps_spans(self) -> bool:
+        return self.spans
+
+    def keep_scored(
+        self, scores: torch.Tensor, length: int, window: int | None = None, spans: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Rows of a layer of ``length`` rows to keep, sorted ascending: ``[B, H_kv, k]``.
         ``scores`` ``[B, H_kv, n]`` rate the layer's last ``n`` rows (this turn's); the rows
-        before them all stay, and so do the last ``window`` (default: the policy's)."""
+        before them all stay, and so do the last ``window`` (default: the policy's). ``spans``
+        ([n], ascending span ids of those rows): each row is chosen by its span's best score."""
         batch, kv_heads, n = scores.shape
         device = scores.device
         old = length - n
@@ -95,6 +104,8 @@ class ScoredPolicy(Policy):
         if kernel > 1 and n > w:  # which: each row by its neighbourhood's best
             flat = prefix.reshape(batch * kv_heads, 1, n - w).float()
             prefix = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).view(batch, kv_heads, n - w)
+        if spans is not None and n > w:
+            prefix = span_best(prefix.float(), spans[: n - w].to(device))
         chosen = prefix.topk(k, dim=-1).indices + old  # [B, H_kv, k]
         always = torch.cat([torch.arange(old, device=device), torch.arange(length - w, length, device=device)])
         kept = torch.cat([always.expand(batch, kv_heads, -1), chosen], dim=-1)

@@ -5,6 +5,9 @@ the prefix, summed over the window queries, is pooled along the sequence with a
 1-D ``kernel`` (so neighbours of a hit survive too) and the top ``budget``
 prefix positions per KV head are kept, together with the window itself.
 
+With ``spans`` the engine hands the selection each row's sentence span (engine/spans.py) and a
+row is rated by its span's best pooled score: a fact is kept whole or not at all.
+
 Grouped-query attention: scores are computed per query head and reduced within
 each KV group (mean or max) only after pooling, so the cache keeps one row set
 per KV head and the GQA memory saving survives.
@@ -19,7 +22,7 @@ import torch.nn.functional as F
 
 from kvsnap.errors import InvalidArgument
 
-from .base import Policy, _check_kernel, window_attention
+from .base import Policy, _check_bool, _check_kernel, window_attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,14 +32,20 @@ class SnapKV(Policy):
     kernel: int = 7
     pooling: str = "max"  # "max" | "avg"
     gqa_reduce: str = "mean"  # "mean" | "max"
+    spans: bool = False  # rate a row by its sentence span's best score: spans are kept whole
 
     def __post_init__(self) -> None:
         Policy.__post_init__(self)
         _check_kernel(self.kernel)
+        _check_bool("spans", self.spans)
         if self.pooling not in ("max", "avg"):
             raise InvalidArgument(f"pooling must be 'max' or 'avg', got {self.pooling!r}")
         if self.gqa_reduce not in ("mean", "max"):
             raise InvalidArgument(f"gqa_reduce must be 'mean' or 'max', got {self.gqa_reduce!r}")
+
+    @property
+    def keeps_spans(self) -> bool:
+        return self.spans
 
     def scores(self, window_queries: torch.Tensor, keys: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Pooled prefix scores per KV head: [B, H, w, D] x [B, H_kv, L, D] -> [B, H_kv, L - w]."""

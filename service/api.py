@@ -20,6 +20,7 @@ import ray.exceptions
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from kvsnap.actors.turns import SessionSpec, TurnRequest
+from kvsnap.engine.defaults import overlay
 from kvsnap.engine.sampling import SamplingParams
 from kvsnap.errors import (
     DeadlineExceeded,
@@ -67,6 +68,7 @@ class SessionAPI:
         self.tokenizer = tokenizer
         self.template = template_for(tokenizer)  # the model's chat template, or the plain one
         self.marker = self.template.marker
+        self.defaults = cfg.session_defaults()  # the model's measured defaults, the operator's over them
         self.directory = directory
         self.metrics = metrics
 
@@ -74,20 +76,22 @@ class SessionAPI:
     def settings(self, given: dict | None, prompt_len: int) -> SessionSpec:
         """Server defaults overlaid with the caller's settings; raises InvalidArgument when bad.
 
-        A policy takes the parameters its dataclass declares (policies/); a server default
-        applies where the policy has that parameter. A server-default window longer than the
+        The server's defaults are the model's measured ones with the operator's over them
+        (``ServiceConfig.session_defaults``); a caller who names another policy gets that
+        policy's own parameter defaults (the server's window aside), one who sizes the selection
+        (budget, ratio or tau) replaces the default size (kvsnap.engine.defaults.overlay). A
+        policy takes the parameters its dataclass declares (policies/). A server-default window longer than the
         first prompt shrinks to the prompt; a window the caller asked for is checked by the
         worker (longer than the prompt: 400)."""
         explicit = {k: v for k, v in (given or {}).items() if v is not None}
-        defaults = self.cfg.defaults.model_dump()
-        name = explicit.pop("policy", defaults.pop("policy"))
-        recompress = explicit.pop("recompress", defaults.pop("recompress"))
         decode = explicit.pop("decode", None)
+        chosen = overlay(self.defaults, explicit)
+        name, recompress = chosen.pop("policy"), chosen.pop("recompress", "per_turn")
         params = policy_params(name)  # InvalidArgument listing the policies for an unknown one
-        unknown = sorted(set(explicit) - set(params))
+        unknown = sorted(set(explicit) - set(params) - {"policy", "recompress"})
         if unknown:
             raise InvalidArgument(f"policy {name!r} has no parameter(s) {unknown}; valid: {sorted(params)}")
-        chosen = {k: v for k, v in defaults.items() if k in params} | explicit
+        chosen = {k: v for k, v in chosen.items() if k in params}  # a default applies where the policy has it
         if "window" in chosen and "window" not in explicit:
             chosen["window"] = max(1, min(chosen["window"], prompt_len))
         if decode is not None:

@@ -15,14 +15,19 @@ from kvsnap.ports import free_port
 
 
 class PolicyDefaults(BaseModel):
+    """An operator's session defaults: each field left unset takes the model's measured default
+    (``kvsnap.engine.defaults``); a caller's settings overlay these."""
+
     model_config = ConfigDict(extra="forbid")
 
-    policy: str = Field("snapkv", description="full | snapkv | streaming")
-    budget: int = Field(512, ge=1, description="prefix rows kept per KV head (snapkv)")
-    window: int = Field(32, ge=1, description="observation window; recent tokens kept (streaming)")
-    kernel: int = Field(7, ge=1, description="SnapKV pooling kernel (odd)")
-    pooling: str = Field("max", description="max | avg")
-    recompress: str = Field("per_turn", description="per_turn | never | reselect")
+    policy: str | None = Field(None, description="a registered policy (full, snapkv, kvzap, ...); unset: the model's")
+    budget: int | None = Field(None, ge=1, description="prefix rows kept per KV head (replaces the model's size)")
+    ratio: float | None = Field(None, gt=0, lt=1, description="share of the prefix kept (instead of a budget)")
+    window: int | None = Field(None, ge=1, description="observation window; recent tokens kept (streaming)")
+    kernel: int | None = Field(None, ge=1, description="pooling kernel (odd)")
+    pooling: str | None = Field(None, description="max | avg (snapkv)")
+    spans: bool | None = Field(None, description="keep sentence spans whole (snapkv, kvzip, kvzap)")
+    recompress: str | None = Field(None, description="per_turn | never | reselect")
 
 
 class ServiceConfig(BaseModel):
@@ -126,6 +131,13 @@ class ServiceConfig(BaseModel):
     )
     session_ttl_s: int = Field(24 * 3600, ge=1, description="idle sessions expire after this")
     defaults: PolicyDefaults = Field(default_factory=PolicyDefaults)
+
+    def session_defaults(self) -> dict:
+        """The settings a session gets where its caller names none: the model's measured
+        defaults (kvsnap.engine.defaults) with the operator's ``defaults`` over them."""
+        from kvsnap.engine.defaults import default_settings, overlay
+
+        return overlay(default_settings(self.model), self.defaults.model_dump())
 
     @model_validator(mode="after")
     def _batch_fits(self) -> ServiceConfig:

@@ -87,7 +87,7 @@ class KvsnapServicer(pb2_grpc.KvsnapServicer):
             self._tenant(context),
             request.session_id or None,
             request.document,
-            _settings(request.settings, self.ingress.cfg.defaults.policy),
+            _settings(request.settings, self.api.defaults["policy"]),
             "grpc",
         )
         return _state(view)

@@ -102,7 +102,8 @@ def service(redis_server, tmp_path_factory):
         max_queued_requests=5,
         overload_queue_len=3,
         request_timeout_s=60,
-        defaults=PolicyDefaults(budget=48, window=8, kernel=3),
+        # the paper's SnapKV: the tests compare the service with policies built without sentence spans
+        defaults=PolicyDefaults(policy="snapkv", budget=48, window=8, kernel=3, spans=False),
     )
     # 3 logical CPUs: 2 worker replicas of 1, and room for the Serve-config app test (tests/test_cluster.py)
     ray.init(num_cpus=3, include_dashboard=False, logging_level="WARNING", log_to_driver=False)

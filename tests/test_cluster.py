@@ -19,6 +19,7 @@ import requests
 import yaml
 
 from kvsnap.cluster.spot import Notice, SpotWatcher, poll_aws
+from kvsnap.engine.defaults import default_settings
 from kvsnap.service.config import ServiceConfig
 
 from .conftest import ADMIN_KEY
@@ -125,7 +126,7 @@ def test_serve_config_passes_serves_schema_and_kvsnaps_config():
     cfg = ServiceConfig(**app.args)  # every arg is a known, valid field
     # the replica count is a deployment override (changing it keeps running replicas), not an arg
     assert "replicas" not in app.args and [(d.name, d.num_replicas) for d in app.deployments] == [("Worker", 2)]
-    assert cfg.defaults.policy == "snapkv" and cfg.gpus_per_replica == 1
+    assert cfg.session_defaults() == default_settings(cfg.model) and cfg.gpus_per_replica == 1  # measured defaults
     # replicas ask the custom resource only the cluster's GPU worker nodes offer
     aws = yaml.safe_load((CLUSTER / "aws.yaml").read_text())
     offered = {

@@ -12,6 +12,7 @@ from kvsnap.engine.models import ByteTokenizer
 from kvsnap.errors import InvalidArgument
 from kvsnap.tools import quality
 from kvsnap.tools.cli import main as kvsnap
+from kvsnap.tools.facts import FACT_KINDS, facts_document
 from kvsnap.tools.tasks import multi_key_prompt
 
 TINY = dict(lengths=(300,), depths=(0.3,), keys=2, seeds=1, window=8, policies=("full", "snapkv:64", "streaming:64"))
@@ -114,12 +115,14 @@ def test_in_process_eval_scores_what_the_model_answered(llama_engine, tmp_path):
 
 def test_service_backend_answers_like_the_engine(service):
     """Through /v1/completions with x-session-id the service answers what the engine answers."""
-    spec = quality.EvalSpec(**TINY | {"policies": ("full", "snapkv:64", "reselect:64", "snapkv:64+h2o:8")})
+    policies = ("full", "snapkv:64", "reselect:64/s", "snapkv:64+h2o:8")
+    spec = quality.EvalSpec(**TINY | {"policies": policies, "tasks": (*quality.RETRIEVAL_TASKS, "facts")})
     engine = Engine(load_model("tiny-llama"))  # the replicas' prefill chunking
     cases = quality.build_cases(engine.tokenizer, spec)
     local = quality.evaluate(quality.InProcess(engine), cases, spec)
     remote = quality.evaluate(quality.OverHTTP(service.http, "key-alpha"), cases, spec)
     assert [(s.policy, s.turn, s.text) for s in remote] == [(s.policy, s.turn, s.text) for s in local]
+    assert {s.task for s in remote} == {*quality.RETRIEVAL_TASKS, "facts"}  # chat turns too
     assert [s.context_tokens for s in remote] == [s.context_tokens for s in local]
     assert [s.kv_bytes for s in remote] == [s.kv_bytes for s in local]
     with pytest.raises(InvalidArgument, match="per deployment"):
@@ -162,7 +165,8 @@ def test_document_first_cases_compress_before_the_questions(llama_engine):
     # them all; snapkv recompresses everything to 30 % of what it has seen)
     kvzip, snapkv = first["kvzip:r0.3"].kv_bytes, first["snapkv:r0.3"].kv_bytes
     assert abs(kvzip - snapkv) < 0.05 * snapkv and max(kvzip, snapkv) < 0.5 * first["full"].kv_bytes
-    assert quality.PolicySpec.parse("kvzap:t-4.5").settings(8) == {"policy": "kvzap", "window": 8, "tau": -4.5}
+    want = {"policy": "kvzap", "window": 8, "tau": -4.5, "spans": False}  # spans spelled out: a service may differ
+    assert quality.PolicySpec.parse("kvzap:t-4.5").settings(8) == want
     unpooled, _, _ = quality.PolicySpec.parse("kvzip:r0.3/k1").build(8)  # the pooling kernel, spelled out
     assert unpooled.pool() == 1 and quality.PolicySpec.parse("kvzip:r0.3").build(8)[0].pool() == 15
     with pytest.raises(InvalidArgument, match="kernel"):
@@ -171,3 +175,35 @@ def test_document_first_cases_compress_before_the_questions(llama_engine):
         quality.PolicySpec.parse("snapkv:t-4")
     with pytest.raises(InvalidArgument, match="in-process only"):
         quality.OverHTTP.run(object.__new__(quality.OverHTTP), cases[0], spec.specs[0], 8)
+
+
+def test_facts_documents_state_each_fact_once_in_varied_prose():
+    tok = ByteTokenizer()
+    doc = facts_document(tok, target_tokens=3000, facts=6, seed=3)
+    text = doc.document
+    assert {f.kind for f in doc.facts} == set(FACT_KINDS) and list(doc.depths) == sorted(doc.depths)
+    for fact, depth in zip(doc.facts, doc.depths, strict=True):
+        assert text.count(fact.answer) == 1 and text.count(fact.sentence) == 1  # stated once
+        assert abs(text.index(fact.sentence) / len(text) - depth) < 0.1
+        assert fact.answer not in fact.question
+    filler = text
+    for fact in doc.facts:
+        filler = filler.replace(fact.sentence, "")
+    assert not any(c.isdigit() for c in filler)  # nothing in the prose looks like an answer
+    sentences = [s for s in filler.replace("\n", " ").split(". ") if s.strip()]
+    assert len(set(sentences)) > 0.8 * len(sentences)  # varied, not one repeated sentence
+    assert 2900 <= len(tok.encode(text)) <= 3100
+
+
+def test_facts_cases_ask_one_fact_per_turn_over_the_chat_template(llama_engine):
+    spec = quality.EvalSpec(**TINY | {"tasks": ("facts",), "lengths": (600,), "keys": 3, "policies": ("full",)})
+    (case,) = quality.build_cases(llama_engine.tokenizer, spec)
+    assert case.chat and len(case.turns) == 3 and len(set(case.answers)) == 3
+    assert all(a in case.turns[0] for a in case.answers)  # the document comes with the first question
+    assert not any(a in t for a in case.answers for t in case.turns[1:])
+    scores = quality.evaluate(quality.InProcess(llama_engine), [case], spec)
+    assert [s.turn for s in scores] == [1, 2, 3] and all(s.kv_bytes == s.full_kv_bytes for s in scores)
+    session = llama_engine.new_session("full")
+    backend = quality.InProcess(llama_engine)
+    first = backend._tokens(case, 0, case.turns[0], session)  # the plain template (no chat template)
+    assert llama_engine.decode(first).endswith(f"User: {case.turns[0]}\nAssistant:")

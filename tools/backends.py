@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 from kvsnap.errors import InvalidArgument
 
 from .specs import PolicySpec
-
-if TYPE_CHECKING:
-    from .quality import Case
+from .tasks import Case
 
 ANSWER_TOKENS = 8  # a 5-digit key and a little more
+CHAT_ANSWER_TOKENS = 24  # a chat model often restates the question (12+ tokens) before the fact
 LONGGEN_PROMPT = "\n\nA detailed account of everything in the text above, sentence by sentence:\n"
 
 
@@ -35,13 +33,11 @@ class InProcess:
             self.engine.prefill(session, self.engine.encode(case.opening, first=True))
             if kivi:
                 round_trip(self.engine, session, kivi)
+        stop = self._template().stop if case.chat else ()
+        sampling = SamplingParams(max_new_tokens=CHAT_ANSWER_TOKENS if case.chat else ANSWER_TOKENS, stop=stop)
         for i, text in enumerate(case.turns):
             t0 = time.perf_counter()
-            result = self.engine.turn(
-                session,
-                self.engine.encode(text, first=i == 0 and not case.opening),
-                SamplingParams(max_new_tokens=ANSWER_TOKENS),
-            )
+            result = self.engine.turn(session, self._tokens(case, i, text, session), sampling)
             r = result.report
             stored = round_trip(self.engine, session, kivi) if kivi else r.kv_bytes  # as the tier holds it
             out.append(
@@ -50,10 +46,28 @@ class InProcess:
                     "latency_s": time.perf_counter() - t0,
                     "context_tokens": r.logical_len,
                     "kv_bytes": stored,
+                    "copy_bytes": session.full_copy_bytes,  # a re-selecting session's full copy (host tier)
                     "full_kv_bytes": r.full_kv_bytes,
                 }
             )
         return out
+
+    def _template(self):
+        from kvsnap.service.template import template_for
+
+        return template_for(self.engine.tokenizer)
+
+    def _tokens(self, case: Case, i: int, text: str, session) -> list[int]:
+        """Turn ``i``'s tokens: raw text, or one user message under the model's chat template, as
+        the service tokenizes it (its turn marker skipped when the last answer stopped on it)."""
+        if not case.chat:
+            return self.engine.encode(text, first=i == 0 and not case.opening)
+        template = self._template()
+        ids = template.encode([{"role": "user", "content": text}], first=i == 0)
+        n = len(template.marker)
+        if n and i > 0 and ids[:n] == template.marker and session.transcript[-n:] == template.marker:
+            ids = ids[n:]
+        return ids
 
     def generate(self, case: Case, specs: list[PolicySpec], window: int, tokens: int) -> list[dict]:
         """Long generation: full KV writes ``tokens`` tokens (greedy); every policy then reads the
@@ -121,7 +135,8 @@ def _at_rest(session):
 
 
 class OverHTTP:
-    """Runs cases against a running service through ``/v1/completions`` with ``x-session-id``."""
+    """Runs cases against a running service with ``x-session-id``: ``/v1/completions`` (raw text),
+    or ``/v1/chat/completions`` for a chat case (one user message per turn)."""
 
     def __init__(self, url: str, api_key: str, model: str | None = None, timeout_s: float = 600.0):
         import requests
@@ -139,31 +154,17 @@ class OverHTTP:
             raise InvalidArgument("the docfirst task runs in-process only (its document turn generates nothing)")
         sid = f"eval-{uuid.uuid4().hex[:16]}"
         headers = {"x-session-id": sid}
-        prompt, out = "", []
+        out = []
+        ask = self._chat if case.chat else self._complete
         try:
+            history: list = []
             for text in case.turns:
-                prompt += text
                 t0 = time.perf_counter()
-                r = self.http.post(
-                    f"{self.url}/v1/completions",
-                    headers=headers,
-                    json={
-                        "model": self.model,
-                        "prompt": prompt,
-                        "max_tokens": ANSWER_TOKENS,
-                        "temperature": 0,
-                        "kvsnap": spec.settings(window),
-                    },
-                    timeout=self.timeout_s,
-                )
-                if r.status_code != 200:
-                    raise RuntimeError(f"service answered {r.status_code}: {r.text[:300]}")
-                completion = r.json()["choices"][0]["text"]
-                prompt += completion
+                answer = ask(history, text, headers, spec.settings(window))
                 state = self.http.get(f"{self.url}/v1/sessions/{sid}", timeout=30).json()
                 out.append(
                     {
-                        "text": completion,
+                        "text": answer,
                         "latency_s": time.perf_counter() - t0,
                         "context_tokens": state["logical_len"],
                         "kv_bytes": state["kv_bytes"],
@@ -173,3 +174,26 @@ class OverHTTP:
         finally:
             self.http.delete(f"{self.url}/v1/sessions/{sid}", timeout=30)
         return out
+
+    def _complete(self, history: list, text: str, headers: dict, settings: dict) -> str:
+        """The raw-text session form: the prompt is everything so far (``history`` holds it)."""
+        prompt = "".join(history) + text
+        body = {"prompt": prompt, "max_tokens": ANSWER_TOKENS}
+        completion = self._post("/v1/completions", body, headers, settings)["choices"][0]["text"]
+        history[:] = [prompt + completion]
+        return completion
+
+    def _chat(self, history: list, text: str, headers: dict, settings: dict) -> str:
+        """One user message under the model's chat template (``history``: the messages so far)."""
+        history.append({"role": "user", "content": text})
+        body = {"messages": history, "max_tokens": CHAT_ANSWER_TOKENS}
+        answer = self._post("/v1/chat/completions", body, headers, settings)["choices"][0]["message"]["content"]
+        history.append({"role": "assistant", "content": answer})
+        return answer
+
+    def _post(self, route: str, body: dict, headers: dict, settings: dict) -> dict:
+        body = body | {"model": self.model, "temperature": 0, "kvsnap": settings}
+        r = self.http.post(f"{self.url}{route}", headers=headers, json=body, timeout=self.timeout_s)
+        if r.status_code != 200:
+            raise RuntimeError(f"service answered {r.status_code}: {r.text[:300]}")
+        return r.json()

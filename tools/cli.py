@@ -17,11 +17,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
 import time
 
-from kvsnap.errors import InvalidArgument, KvsnapError
+from kvsnap.errors import KvsnapError
+
+from . import clients
+from .eval_cli import add_eval_parser
 
 # Where the CLI's defaults differ from the policies' own (kvsnap generate has always used these).
 CLI_POLICY_DEFAULTS = {"budget": 256, "window": 32}
@@ -111,65 +113,12 @@ def cmd_generate(args) -> int:
     return 0
 
 
-# `kvsnap eval --quick`: a small version that runs in a minute or two on 2 CPU cores
-QUICK_EVAL = dict(lengths=(1024,), depths=(0.2, 0.8), keys=3, seeds=1, policies=("full", "snapkv:256", "streaming:256"))
-
-
-def _csv(kind):
-    return lambda text: tuple(kind(x) for x in text.split(",") if x.strip())
-
-
-def cmd_eval(args) -> int:
-    import json
-    from pathlib import Path
-
-    from kvsnap.tools import quality
-
-    fields = ("tasks", "lengths", "depths", "policies", "keys", "seeds", "window", "gen_tokens")
-    given = {k: v for k in fields if (v := getattr(args, k)) is not None}
-    spec = quality.EvalSpec(**({**QUICK_EVAL, **given} if args.quick else given))
-    if args.url:
-        api_key = _api_key(args)
-        args.model = args.model or _served_model(args.url, api_key)
-        backend = quality.OverHTTP(args.url, api_key, args.model)
-        where, tokenizer = f"service {args.url}", _tokenizer(args.model)
-    else:
-        from kvsnap.engine import Engine, load_model
-
-        args.model = args.model or "gemma3-270m"
-        print(f"loading model {args.model!r}...", file=sys.stderr, flush=True)
-        engine = Engine(load_model(args.model, device=args.device))
-        backend, where, tokenizer = quality.InProcess(engine), f"in-process on {engine.device}", engine.tokenizer
-    cases = quality.build_cases(tokenizer, spec)
-    print(
-        f"{len(cases)} cases x {len(spec.specs)} policies ({', '.join(spec.policies)}), {where}",
-        file=sys.stderr,
-        flush=True,
-    )
-    started = time.perf_counter()
-    scores = quality.evaluate(backend, cases, spec, progress=lambda m: print(m, file=sys.stderr, flush=True))
-    summary = quality.summarize(scores)
-    meta = {
-        "model": args.model,
-        "backend": where,
-        "spec": {k: getattr(spec, k) for k in fields},
-        "elapsed_s": time.perf_counter() - started,
-    }
-    paths = quality.save(scores, summary, meta, Path(args.out))
-    print(f"{args.model}, {where}, {meta['elapsed_s']:.0f}s")
-    print(quality.format_tables(summary))
-    print(f"\nwrote {' and '.join(str(p) for p in paths.values())}")
-    if args.json:
-        print(json.dumps(summary))
-    return 0
-
-
 def cmd_load(args) -> int:
     import json
 
     from kvsnap.tools import loadgen
 
-    api_key = _api_key(args)
+    api_key = clients.api_key(args)
     settings = {k: v for k in ("policy", "budget", "window") if (v := getattr(args, k)) is not None}
     spec = loadgen.LoadSpec(
         users=args.users,
@@ -183,41 +132,18 @@ def cmd_load(args) -> int:
         timeout_s=args.timeout,
         open_first=args.open_first,
     )
-    model = args.model or _served_model(args.url, api_key)
+    model = args.model or clients.served_model(args.url, api_key)
     if args.protocol == "grpc":
         client = loadgen.GrpcClient(args.grpc, api_key, spec.timeout_s)
     else:
         client = loadgen.HttpClient(args.url, api_key, spec.timeout_s)
-    result = loadgen.run(client, _tokenizer(model), spec, progress_s=args.progress)
+    result = loadgen.run(client, clients.tokenizer(model), spec, progress_s=args.progress)
     print(loadgen.format_report(result))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=1)
         print(f"wrote {args.out}")
     return 0 if not result["errors"] else 1
-
-
-def _api_key(args) -> str:
-    """The client's API key: --api-key, else KVSNAP_API_KEY (kvsnap eval --url, kvsnap load)."""
-    api_key = args.api_key or os.environ.get("KVSNAP_API_KEY")
-    if not api_key:
-        raise InvalidArgument(f"--api-key (or KVSNAP_API_KEY) is needed for `kvsnap {args.command}`")
-    return api_key
-
-
-def _served_model(url: str, api_key: str) -> str:
-    import requests
-
-    r = requests.get(f"{url.rstrip('/')}/v1/models", headers={"Authorization": f"Bearer {api_key}"}, timeout=30)
-    if r.status_code != 200:
-        raise InvalidArgument(f"{url}/v1/models answered {r.status_code}: {r.text[:200]}")
-    return r.json()["data"][0]["id"]
-
-
-def _tokenizer(model: str):
-    from kvsnap.engine.models import tokenizer_for
-
-    return tokenizer_for(model)
 
 
 def _lazy(module: str, name: str):
@@ -284,40 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.set_defaults(func=_lazy("chat", "cmd_chat"))
 
-    ev = sub.add_parser(
-        "eval", help="quality harness: pass-key, multi-key and multi-turn retrieval, long generation, per policy"
-    )
-    ev.add_argument("--model", default=None, help="model to run in-process (default gemma3-270m); with --url: its own")
-    ev.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
-    ev.add_argument("--url", default=None, help="evaluate a running service instead (its HTTP address)")
-    ev.add_argument("--api-key", default=None, help="with --url (or KVSNAP_API_KEY)")
-    ev.add_argument(
-        "--tasks",
-        type=_csv(str),
-        default=None,
-        help="passkey,multikey,multiturn (the default); docfirst (the document alone first, then one question "
-        "per key) and longgen (long generation), in-process only",
-    )
-    ev.add_argument("--lengths", type=_csv(int), default=None, help="document tokens (default 1024,2048,4096)")
-    ev.add_argument("--depths", type=_csv(float), default=None, help="pass-key depths (default 0.1,0.5,0.9)")
-    ev.add_argument(
-        "--policies",
-        type=_csv(str),
-        default=None,
-        help="default full,snapkv:128,snapkv:256,snapkv:512,streaming:256; also reselect:B "
-        "(SnapKV re-selecting from the full cache each turn), h2o:B, scissorhands:B; +h2o:D, "
-        "+scissorhands:D or +streaming:D evict while decoding (e.g. snapkv:256+h2o:128); @kivi2 / @kivi4 "
-        "quantize the KV between turns; kvzip:B, kvzap:B (query-agnostic). Each holds B (D) + window rows; "
-        "a budget may be r<share> of the prefix (snapkv:r0.33) or, for kvzip/kvzap, t<log score> (kvzap:t-4)",
-    )
-    ev.add_argument("--keys", type=int, default=None, help="keys planted for multikey / multiturn (default 4)")
-    ev.add_argument("--seeds", type=int, default=None, help="documents per length (default 2)")
-    ev.add_argument("--window", type=int, default=None, help="observation window (default 32)")
-    ev.add_argument("--gen-tokens", type=int, default=None, help="longgen: tokens generated (default 256)")
-    ev.add_argument("--quick", action="store_true", help="a small version: 1K tokens, 2 depths, 3 keys, 3 policies")
-    ev.add_argument("--out", default="bench/results", help="folder for quality.json and quality.png")
-    ev.add_argument("--json", action="store_true", help="also print the summary as one JSON line")
-    ev.set_defaults(func=cmd_eval)
+    add_eval_parser(sub)
 
     ld = sub.add_parser("load", help="multi-turn load generator against a running service (HTTP or gRPC)")
     ld.add_argument("--url", default="http://127.0.0.1:8000", help="the service's HTTP address")

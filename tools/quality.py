@@ -20,51 +20,18 @@ in-process (an :class:`Engine`) or a running service (``/v1/completions`` with
 
 from __future__ import annotations
 
-import json
-import math
-import statistics
-from collections import defaultdict
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from kvsnap.errors import InvalidArgument
 
 from .backends import ANSWER_TOKENS, LONGGEN_PROMPT, InProcess, OverHTTP  # noqa: F401 (kvsnap eval's backends)
+from .facts import facts_document, first_question
+from .report import TURN_TASKS, GenScore, TurnScore, format_tables, save, summarize  # noqa: F401 (re-exported)
 from .specs import PolicySpec
-from .tasks import multi_key_prompt, pass_key_prompt
+from .tasks import Case, multi_key_prompt, pass_key_prompt
 
 RETRIEVAL_TASKS = ("passkey", "multikey", "multiturn")
-TASKS = (*RETRIEVAL_TASKS, "docfirst", "longgen")
-
-
-@dataclass(frozen=True, slots=True)
-class Case:
-    """One conversation: the first turn carries the document; each turn expects one key."""
-
-    task: str
-    length: int  # target document tokens
-    seed: int
-    turns: tuple[str, ...]
-    answers: tuple[str, ...]
-    depths: tuple[float, ...]  # where each turn's key sits in the document (0 = start)
-    opening: str = ""  # a document sent alone before the turns (prefilled, nothing generated)
-
-
-@dataclass(slots=True)
-class TurnScore:
-    task: str
-    policy: str
-    length: int
-    seed: int
-    turn: int
-    depth: float
-    correct: bool
-    answer: str
-    text: str
-    latency_s: float
-    context_tokens: int = 0
-    kv_bytes: int = 0
-    full_kv_bytes: int = 0
+TASKS = (*RETRIEVAL_TASKS, "docfirst", "facts", "longgen")
 
 
 @dataclass(slots=True)
@@ -118,27 +85,27 @@ def build_cases(tokenizer, spec: EvalSpec) -> list[Case]:
                 answers = tuple(mk.answers[j] for j in order)
                 depths = tuple(mk.depths[j] for j in order)
                 cases.append(Case("docfirst", length, seed, turns, answers, depths, opening=mk.document))
+            if "facts" in spec.tasks:
+                cases.append(facts_case(tokenizer, length, seed, spec.keys))
             if "longgen" in spec.tasks:
                 cases.append(Case("longgen", length, seed, (mk.document + LONGGEN_PROMPT,), (), ()))
     return cases
 
 
+def facts_case(tokenizer, length: int, seed: int, facts: int) -> Case:
+    """A document stating ``facts`` facts once each, asked one per turn over the chat template;
+    the first turn carries the document and its question, and which fact it asks varies by seed."""
+    doc = facts_document(tokenizer, target_tokens=length, facts=facts, seed=seed * 1000 + length)
+    order = [(seed + i) % facts for i in range(facts)]
+    turns = tuple(
+        first_question(doc.document, doc.facts[j].question) if i == 0 else doc.facts[j].question
+        for i, j in enumerate(order)
+    )
+    answers = tuple(doc.facts[j].answer for j in order)
+    return Case("facts", length, seed, turns, answers, tuple(doc.depths[j] for j in order), chat=True)
+
+
 # -- backends: run one case under one policy, return what each turn answered ----------------
-
-
-@dataclass(slots=True)
-class GenScore:
-    policy: str
-    length: int
-    seed: int
-    tokens: int
-    agreement: float  # share of generated tokens where the policy's top-1 equals full KV's token
-    nll: float  # mean negative log-likelihood of full KV's tokens under the policy
-    decode_tok_s: float
-    kv_bytes: int  # KV held at the end (as a quantized tier holds it, for @kivi)
-    full_kv_bytes: int
-    kept_len_max: int  # most rows a full-attention layer held after any decoding step
-    logical_len: int
 
 
 def evaluate(backend, cases: list[Case], spec: EvalSpec, progress=None) -> list[TurnScore | GenScore]:
@@ -171,146 +138,3 @@ def evaluate(backend, cases: list[Case], spec: EvalSpec, progress=None) -> list[
         if progress:
             progress(f"[{n}/{len(cases)}] {case.task} L={case.length} seed={case.seed} done")
     return scores
-
-
-# -- reporting --------------------------------------------------------------------------------
-
-
-def summarize(scores: list[TurnScore | GenScore]) -> dict:
-    """Accuracy (0..1) per task and policy: overall, per length, per depth, per turn; KV held.
-    Long generation: agreement with full KV, perplexity of its tokens, decode speed, KV held."""
-
-    def acc(rows):
-        return sum(r.correct for r in rows) / len(rows)
-
-    groups = defaultdict(list)
-    out = {}
-    for s in scores:
-        if isinstance(s, GenScore):
-            groups[("longgen", s.policy)].append(s)
-        else:
-            groups[(s.task, s.policy)].append(s)
-    for (task, policy), rows in list(groups.items()):
-        if task == "longgen":
-            out.setdefault(task, {})[policy] = {
-                "agreement": statistics.mean(r.agreement for r in rows),
-                "perplexity": math.exp(statistics.mean(r.nll for r in rows)),
-                "tokens_mean": statistics.mean(r.tokens for r in rows),
-                "decode_tok_s_median": statistics.median(r.decode_tok_s for r in rows),
-                "kv_bytes_mean": statistics.mean(r.kv_bytes for r in rows),
-                "full_kv_bytes_mean": statistics.mean(r.full_kv_bytes for r in rows),
-                "kept_len_max": max(r.kept_len_max for r in rows),
-                "per_length": {
-                    str(k): statistics.mean(r.agreement for r in rows if r.length == k)
-                    for k in sorted({r.length for r in rows})
-                },
-                "n": len(rows),
-            }
-            del groups[(task, policy)]
-    for (task, policy), rows in groups.items():
-        by = {key: defaultdict(list) for key in ("length", "depth", "turn")}
-        for r in rows:
-            by["length"][r.length].append(r)
-            by["depth"][_depth_bin(r)].append(r)
-            by["turn"][r.turn].append(r)
-        last_turns = [r for r in rows if r.turn == max(x.turn for x in rows if x.seed == r.seed)]
-        follow_ups = [r for r in rows if r.turn > 1]
-        out.setdefault(task, {})[policy] = {
-            "accuracy": acc(rows),
-            "follow_up_accuracy": acc(follow_ups) if follow_ups else None,  # turns after the first
-            "n": len(rows),
-            "per_length": {str(k): acc(v) for k, v in sorted(by["length"].items())},
-            "per_depth": {str(k): acc(v) for k, v in sorted(by["depth"].items())},
-            "per_turn": {str(k): acc(v) for k, v in sorted(by["turn"].items())},
-            "kv_bytes_mean": statistics.mean(r.kv_bytes for r in last_turns),
-            "latency_s_median": statistics.median(r.latency_s for r in rows),
-        }
-    return out
-
-
-def _depth_bin(score: TurnScore) -> str:
-    """Pass-key depths are the ones asked for; planted-key depths are random: quarters of the document."""
-    if score.task == "passkey":
-        return f"{score.depth:g}"
-    quarter = min(3, int(score.depth * 4))
-    return f"{quarter / 4:.2f}-{(quarter + 1) / 4:.2f}"
-
-
-def format_tables(summary: dict) -> str:
-    lines = []
-    for task, per_policy in summary.items():
-        if task == "longgen":
-            lines += _longgen_table(per_policy)
-            continue
-        first = next(iter(per_policy.values()))
-        lengths = list(first["per_length"])
-        turns = list(first["per_turn"]) if task in ("multiturn", "docfirst") else []
-        width = max(16, 2 + max(map(len, per_policy)))
-        head = f"{'policy':{width}}{'acc':>7}" + "".join(f"{'L=' + k:>9}" for k in lengths)
-        head += (
-            "".join(f"{'turn ' + k:>9}" for k in turns) + (f"{'follow-ups':>11}" if turns else "") + f"{'KV MiB':>9}"
-        )
-        lines += ["", f"{task}  (accuracy; KV held at the end of a case, mean)", head]
-        for policy, s in per_policy.items():
-            row = f"{policy:{width}}{s['accuracy']:>7.0%}" + "".join(f"{s['per_length'][k]:>9.0%}" for k in lengths)
-            row += "".join(f"{s['per_turn'][k]:>9.0%}" for k in turns)
-            row += (f"{s['follow_up_accuracy']:>11.0%}" if turns else "") + f"{s['kv_bytes_mean'] / 2**20:>9.2f}"
-            lines.append(row)
-        lines.append(f"{'  by depth':{width}}" + "".join(f"{k:>11}" for k in first["per_depth"]))
-        for policy, s in per_policy.items():
-            lines.append(f"  {policy:{width - 2}}" + "".join(f"{v:>11.0%}" for v in s["per_depth"].values()))
-    return "\n".join(lines)
-
-
-def _longgen_table(per_policy: dict) -> list[str]:
-    first = next(iter(per_policy.values()))
-    tokens = first["tokens_mean"]
-    width = max(16, 2 + max(map(len, per_policy)))
-    head = f"{'policy':{width}}{'agree':>7}" + "".join(f"{'L=' + k:>9}" for k in first["per_length"])
-    head += f"{'ppl':>8}{'tok/s':>8}{'rows max':>10}{'KV MiB':>9}{'full MiB':>10}"
-    lines = ["", f"longgen  ({tokens:.0f} tokens written with full KV, read back by each policy)", head]
-    for policy, s in per_policy.items():
-        row = f"{policy:{width}}{s['agreement']:>7.1%}" + "".join(f"{v:>9.1%}" for v in s["per_length"].values())
-        row += f"{s['perplexity']:>8.3f}{s['decode_tok_s_median']:>8.1f}{s['kept_len_max']:>10}"
-        row += f"{s['kv_bytes_mean'] / 2**20:>9.2f}{s['full_kv_bytes_mean'] / 2**20:>10.2f}"
-        lines.append(row)
-    return lines
-
-
-def plot(summary: dict, path: Path) -> bool:
-    """Accuracy curves of the retrieval tasks; False when there are none to draw."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summary = {task: v for task, v in summary.items() if task != "longgen"}  # a table, not a curve
-    if not summary:
-        return False
-    fig, axes = plt.subplots(1, len(summary), figsize=(5 * len(summary), 3.8), squeeze=False)
-    for ax, (task, per_policy) in zip(axes[0], summary.items(), strict=True):
-        key = "per_turn" if task == "multiturn" else "per_length"
-        for n, (policy, s) in enumerate(per_policy.items()):  # distinct markers: equal lines stay visible
-            ax.plot(list(s[key]), [100 * v for v in s[key].values()], marker="os^vDxP*"[n % 8], label=policy,
-                    markersize=9 - n, alpha=0.8)  # fmt: skip
-        ax.set_title(task)
-        ax.set_xlabel("turn" if key == "per_turn" else "context tokens")
-        ax.set_ylabel("accuracy %")
-        ax.set_ylim(-5, 105)
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def save(scores: list[TurnScore], summary: dict, meta: dict, out_dir: Path) -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / "quality.json", "png": out_dir / "quality.png"}
-    paths["json"].write_text(
-        json.dumps({"meta": meta, "summary": summary, "turns": [asdict(s) for s in scores]}, indent=1)
-    )
-    if not plot(summary, paths["png"]):
-        del paths["png"]
-    return paths

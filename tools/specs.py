@@ -24,7 +24,7 @@ def _spec_pattern() -> re.Pattern:
     prefill, decode = _spec_names()
     return re.compile(
         rf"^(?P<policy>full|(?:{'|'.join(prefill)}):(?:(?P<budget>[1-9][0-9]*)|r(?P<ratio>0?\.[0-9]+)"
-        r"|t(?P<tau>-?[0-9]+(?:\.[0-9]+)?))(?:/k(?P<kernel>[1-9][0-9]*))?)"
+        r"|t(?P<tau>-?[0-9]+(?:\.[0-9]+)?))(?:/k(?P<kernel>[1-9][0-9]*))?(?P<spans>/s)?)"
         rf"(?:\+(?P<decode>{'|'.join(decode)}):(?P<decode_budget>[1-9][0-9]*))?"
         r"(?:@(?P<quant>kivi2|kivi4))?$"
     )
@@ -38,7 +38,8 @@ class PolicySpec:
     """A policy named on the command line: ``<prefill>[+<decode>:<budget>][@kivi2|@kivi4]``;
     a prefill budget may instead be ``r<share>`` (a share of the prefix: ``snapkv:r0.33``) or,
     for kvzip and kvzap, ``t<log score>`` (a threshold: ``kvzap:t-4``); ``/k<n>`` after it sets
-    the pooling kernel of a policy that has one (``kvzip:r0.33/k1``: no pooling).
+    the pooling kernel of a policy that has one (``kvzip:r0.33/k1``: no pooling), and ``/s`` after
+    that keeps sentence spans whole (``snapkv:r0.5/s``; snapkv, kvzip, kvzap).
 
     Prefill: ``full`` | ``snapkv:B`` | ``reselect:B`` | ``streaming:B`` | ``h2o:B`` |
     ``scissorhands:B``. Each compressing one holds B + the observation window rows per KV
@@ -65,6 +66,7 @@ class PolicySpec:
     ratio: float | None = None  # ``snapkv:r0.33``: keep that share of the prefix instead of a budget
     tau: float | None = None  # ``kvzap:t-4``: keep the rows scoring above this log score (kvzip, kvzap)
     kernel: int | None = None  # ``kvzip:r0.33/k1``: the policy's pooling kernel instead of its default
+    spans: bool = False  # ``snapkv:r0.5/s``: sentence spans kept whole (engine/spans.py)
 
     @classmethod
     def parse(cls, text: str) -> PolicySpec:
@@ -90,10 +92,13 @@ class PolicySpec:
             float(m["ratio"]) if m["ratio"] else None,
             float(m["tau"]) if m["tau"] is not None else None,
             int(m["kernel"]) if m["kernel"] else None,
+            bool(m["spans"]),
         )
 
     def settings(self, window: int) -> dict:
         """The session settings (as the API takes them) that realise this spec (``@kivi`` aside)."""
+        from kvsnap.policies import policy_params
+
         if self.policy == "full":
             out = {"policy": "full"}
         elif self.policy in ("snapkv", "reselect"):  # the paper's pooling, spelled out: a service may differ
@@ -109,6 +114,10 @@ class PolicySpec:
             out |= {"ratio": self.ratio} if self.ratio is not None else {"tau": self.tau}
         if self.kernel is not None:
             out["kernel"] = self.kernel
+        if self.policy != "full" and "spans" in policy_params(out["policy"]):
+            out["spans"] = self.spans  # spelled out: a service's default may differ
+        elif self.spans:
+            raise InvalidArgument(f"policy spec {self.name!r}: {self.policy} keeps no sentence spans (/s)")
         if self.decode == "streaming":
             out["decode"] = {"policy": "streaming", "window": self.decode_budget + window - SINKS, "sinks": SINKS}
         elif self.decode:
@@ -123,3 +132,31 @@ class PolicySpec:
         settings = self.settings(window)
         recompress = settings.pop("recompress", "per_turn")
         return make_policy(settings.pop("policy"), **settings), recompress, parse_kivi(self.quant)
+
+
+def spec_text(settings: dict) -> str:
+    """The spec that realises session ``settings`` (a model's defaults, kvsnap.engine.defaults):
+    ``{"policy": "kvzap", "ratio": 0.5, "spans": True}`` -> ``kvzap:r0.5/s``. The window is the
+    eval's own (``--window``); settings a spec cannot say raise InvalidArgument."""
+    rest = dict(settings)
+    policy, recompress = rest.pop("policy"), rest.pop("recompress", "per_turn")
+    rest.pop("window", None)
+    if policy == "full":
+        return "full"
+    if recompress == "reselect" and policy == "snapkv":
+        policy = "reselect"
+    elif recompress != "per_turn":
+        raise InvalidArgument(f"no policy spec says recompress={recompress!r}")
+    if policy in ("snapkv", "reselect") and rest.pop("pooling", "max") != "max":
+        raise InvalidArgument("a policy spec pools by max only")
+    size = f"r{rest.pop('ratio')}" if "ratio" in rest else f"t{rest.pop('tau')}" if "tau" in rest else None
+    budget = rest.pop("budget", None)
+    text = f"{policy}:{size or budget}"
+    kernel = rest.pop("kernel", None)
+    if kernel is not None and not (policy in ("snapkv", "reselect") and kernel == 7):
+        text += f"/k{kernel}"
+    if rest.pop("spans", False):
+        text += "/s"
+    if rest or (size is None and budget is None):
+        raise InvalidArgument(f"no policy spec says {settings}")
+    return text

@@ -18,6 +18,20 @@ INTRO = (
 
 
 @dataclass(frozen=True, slots=True)
+class Case:
+    """One conversation: the first turn carries the document; each turn expects one key."""
+
+    task: str
+    length: int  # target document tokens
+    seed: int
+    turns: tuple[str, ...]
+    answers: tuple[str, ...]
+    depths: tuple[float, ...]  # where each turn's key sits in the document (0 = start)
+    opening: str = ""  # a document sent alone before the turns (prefilled, nothing generated)
+    chat: bool = False  # each turn is one user message under the model's chat template (facts)
+
+
+@dataclass(frozen=True, slots=True)
 class PassKeyPrompt:
     document: str  # intro + filler with the key planted
     question: str

@@ -1,0 +1,53 @@
+"""Sentence spans of a session's tokens, for policies that keep a span whole (``spans=True``).
+
+A fact is a span of tokens: "The access code for the north gate is 65125." is fifteen tokens
+for SmolLM2's tokenizer, which writes the five digits as five. A question attends to the
+words it shares with the fact (the subject), seldom to the value after them, so a selection
+by single rows keeps the subject and drops digits ("2222" for 22994). Rated by its span's
+best row, a sentence is kept whole or not at all.
+
+A span ends after a token whose text holds sentence punctuation or a line break, or after a
+special token (a chat template's turn markers); one never runs past ``MAX_SPAN`` tokens, so a
+text with no punctuation does not become one span that takes the whole budget.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_SPAN = 48
+ENDS = (".", "!", "?", ";", "\n")
+
+
+def span_ends(tokenizer, vocab_size: int) -> torch.Tensor:
+    """``[vocab_size]`` bool: True for a token after which a span ends."""
+    known = min(vocab_size, len(tokenizer)) if hasattr(tokenizer, "__len__") else vocab_size
+    ids = list(range(known))
+    if hasattr(tokenizer, "batch_decode"):
+        texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+    else:  # the tiny presets' byte tokenizer
+        texts = [tokenizer.decode([i]) for i in ids]
+    ends = torch.zeros(vocab_size, dtype=torch.bool)
+    ends[:known] = torch.tensor([any(c in text for c in ENDS) for text in texts], dtype=torch.bool)
+    for special in getattr(tokenizer, "all_special_ids", None) or ():
+        if 0 <= special < vocab_size:
+            ends[special] = True
+    return ends
+
+
+def span_ids(ends: torch.Tensor, tokens: list[int], first: int = 0) -> torch.Tensor:
+    """Ascending span ids ``[len(tokens)]`` of ``tokens`` (the first one ``first``): a new span
+    starts after a token ``ends`` marks and after ``MAX_SPAN`` tokens of one span."""
+    out, span, run = [], first, 0
+    for token in tokens:
+        out.append(span)
+        run += 1
+        if run == MAX_SPAN or (0 <= token < len(ends) and ends[token]):
+            span, run = span + 1, 0
+    return torch.tensor(out, dtype=torch.long)
+
+
+def layer_spans(ends: torch.Tensor, old_rows: int, new_tokens: list[int]) -> torch.Tensor:
+    """Spans of a layer's rows ``[old_rows + len(new_tokens)]``: rows kept from earlier turns
+    (whose positions differ per head) are spans of one row each; this turn's rows by sentence."""
+    return torch.cat([torch.arange(old_rows), span_ids(ends, new_tokens, first=old_rows)])
