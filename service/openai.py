@@ -26,7 +26,7 @@ from kvsnap.store.conversations import CONVERSATION_ROLES as CHAT_ROLES
 from kvsnap.store.conversations import RAW_ROLES
 from kvsnap.store.records import check_id
 
-from .api import SessionAPI, TurnOutcome, state_view
+from .api import SessionAPI
 from .matching import (
     extends_text,
     match_chat,
@@ -38,6 +38,7 @@ from .matching import (
     unknown_turns,
     with_empty_answers,
 )
+from .outcomes import TurnOutcome, state_view
 from .responses import api_of, current, final, sse
 from .schemas import ChatCompletionRequest, CompletionRequest
 
