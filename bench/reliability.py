@@ -11,36 +11,25 @@ kill, a wipe or a corrupted blob must answer like its twin too). After every dis
 each session is asked its next question and must answer that (a session that cannot is
 *lost*); the figures count each policy apart.
 
-Phases, in order:
+Phases, in order, by group (each group's module describes its phases and runs alone):
 
-- auth:        every route and method without a key and with a wrong one: 401 / UNAUTHENTICATED
-               (health exempt); admin routes with a tenant's key: 403, with the admin key and an
-               unknown worker id: 404, and no replica drained.
-- tenants:     another tenant reads, continues and deletes a session by every route and
-               method: answered exactly like a missing id; the session is unchanged.
-- fuzz_http:   schemathesis over the whole OpenAPI schema: no 5xx.
-- fuzz_grpc:   malformed bytes, truncated, oversized and hostile-valued messages to every
-               method: only client-error statuses (never INTERNAL / UNKNOWN / UNAVAILABLE).
-- disconnect:  streamed turns cut after their first token: the session answers its next turn.
-- overload:    twice the service's capacity in concurrent turns: excess answered 429 with
-               Retry-After, accepted turns within their timeout, tiers within their budgets,
-               no replica lost, and a turn right after answers.
-- corrupt:     the disk tier's session files truncated or garbled: detected, rebuilt from the
-               token log, right answers.
-- kill:        a worker replica killed every few seconds while the sessions converse: every
-               turn succeeds or fails with a retryable 503 / 429, none past its timeout.
-- redis:       redis-server crashed (SIGKILL) mid-load and restarted over its data, then
-               restarted empty: requests fail fast with 503 while it is down; afterwards the
-               workers re-register what they hold and no session is lost.
-- logs:        no API key appears in any log (Ray's, Redis's, the app's).
+| group    | module                        | phases                           |
+|----------|-------------------------------|----------------------------------|
+| auth     | bench/reliability_auth.py     | auth, tenants, logs              |
+| fuzzing  | bench/reliability_fuzzing.py  | fuzz_http, fuzz_grpc             |
+| overload | bench/reliability_overload.py | overload                         |
+| faults   | bench/reliability_faults.py   | disconnect, corrupt, kill, redis |
+
+The order: auth, tenants, fuzz_http, fuzz_grpc, disconnect, overload, corrupt, kill, redis,
+then, with the service stopped, logs. In short: keys and tenants are enforced on every route,
+hostile input gets only client errors, overload is shed with 429, and replica kills, Redis
+crashes and wipes, corrupted blobs and cut streams lose no session.
 
 Prints a table, writes reliability.json into --out, exits 1 when any check failed.
 ``--quick`` is the bounded version the tests run (a few minutes); the default is the long one.
 ``--phase NAME`` (repeatable) runs only those phases, in this order, with the sessions opened
-before the first that needs them and verified at the end. The phases live in four groups,
-each runnable alone the same way: bench/reliability_auth.py (auth, tenants, logs),
-reliability_fuzzing.py (fuzz_http, fuzz_grpc), reliability_overload.py (overload) and
-reliability_faults.py (disconnect, corrupt, kill, redis); the plumbing is reliability_common.py.
+before the first that needs them and verified at the end; a group's module runs its phases
+the same way. The plumbing is bench/reliability_common.py, the runner reliability_runner.py.
 
 Usage: python bench/reliability.py [--quick] [--out DIR] [--phase NAME ...]
 """
