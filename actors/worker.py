@@ -226,6 +226,7 @@ class Worker:
         return exported
 
     def _end_drain(self) -> None:
+        self.draining = False
         self._resume = None
         log.info("worker %s: drain over, taking sessions again", self.worker_id)
 
