@@ -177,7 +177,7 @@ class SessionStore(Loading, Rewinds, Liveness):
             updated.kv_bytes, updated.turns = session.kv_bytes, session.turns
             blob = KVBlob(export_kv(session.cache), session.logical_len, version=expected + 1)
             updated.tier = self.tiers.put(key, blob) or "dropped"
-            self._store_fullcopy_entry(key, session, expected + 1)
+            self._store_full_copy(key, session, expected + 1)
             held = self.held.get(key)
             if session.marks:  # the turn's mark counts its messages: where a later rewind can end
                 session.marks[-1].messages = len(messages)
@@ -217,7 +217,7 @@ class SessionStore(Loading, Rewinds, Liveness):
     def _held(entry: SessionEntry, session: Session, messages: list[dict], dirty: bool = False) -> Held:
         return Held(entry, list(session.transcript), messages, list(session.marks), session.policy, dirty)
 
-    def _store_fullcopy_entry(self, key: str, session: Session, version: int) -> None:
+    def _store_full_copy(self, key: str, session: Session, version: int) -> None:
         """A Reselect policy: the full copy goes to the host tier (never the device tier),
         where LRU demotes or drops it like any other blob. It is kept at full precision
         (``exact``) even where the tiers quantize KV (kv_quant): re-selection scores its rows
