@@ -55,14 +55,7 @@ def cmd_serve(args) -> int:
             serve.shutdown()
             ray.shutdown()
             return 1
-        print(f"\nkvsnap is serving\n  HTTP  http://{cfg.http_host}:{cfg.http_port}  (OpenAPI: /docs)")
-        if cfg.grpc_port:
-            print(f"  gRPC  {cfg.http_host}:{cfg.grpc_port}  (reflection on)")
-        if generated_key:
-            print(f"  API key (tenant 'default'): {generated_key}")
-        else:
-            print(f"  API keys: {len(cfg.api_keys)} configured")
-        print("Ctrl-C stops everything.", flush=True)
+        _serving(cfg, generated_key)
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         try:
@@ -77,6 +70,18 @@ def cmd_serve(args) -> int:
         if embedded:
             embedded.stop()
     return 0
+
+
+def _serving(cfg, generated_key: str | None) -> None:
+    """Where the service answers, and with which key."""
+    print(f"\nkvsnap is serving\n  HTTP  http://{cfg.http_host}:{cfg.http_port}  (OpenAPI: /docs)")
+    if cfg.grpc_port:
+        print(f"  gRPC  {cfg.http_host}:{cfg.grpc_port}  (reflection on)")
+    if generated_key:
+        print(f"  API key (tenant 'default'): {generated_key}")
+    else:
+        print(f"  API keys: {len(cfg.api_keys)} configured")
+    print("Ctrl-C stops everything.", flush=True)
 
 
 def cmd_spot_watch(args) -> int:
