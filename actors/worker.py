@@ -3,13 +3,15 @@ Redis directory). Usable in-process (tests, benchmarks); the Ray Serve replica w
 
 A turn, as :meth:`Worker.stream` runs it:
 
-    claim   = the session, until the turn ends (a second concurrent turn: 409)
-    entry   = directory entry of (tenant, session)          # Redis: version, lengths, policy
-    session = load KV: device -> host -> disk tier, a hand-over, else replay the token log
-    job     = the turn joins the worker's batch (engine/scheduler.py): prefill the new tokens,
-              compress, decode together with the other sessions' turns (streamed)
-    commit  = KV back into the device tier; compare-and-set the entry (version + 1), append
-              the turn's tokens, mark and messages to the logs
+    lease = sessions.checkout(req)   # once: claim the session (a second concurrent turn: 409),
+                                     # read its directory entry (Redis: version, lengths, policy),
+                                     # load its KV (device -> host -> disk tier, a hand-over, else
+                                     # replay the token log) or take it back to a turn boundary
+    job   = the turn joins the worker's batch (engine/scheduler.py): prefill the new tokens,
+            compress, decode together with the other sessions' turns (streamed)
+    sessions.checkin(lease, messages)  # once: KV back into the device tier; compare-and-set the
+                                     # entry (version + 1), append the turn's tokens, mark and
+                                     # messages to the logs (None: drop what a broken turn did)
 
 The scheduler thread owns the model while turns run; the request's own thread loads, waits
 for its tokens and commits. A rebuild (model work outside any turn) takes the model lock
@@ -25,12 +27,13 @@ from kvsnap.engine.engine import Engine, TurnResult, TurnStream
 from kvsnap.engine.sampling import SamplingParams
 from kvsnap.engine.scheduler import Job, Scheduler
 from kvsnap.engine.session import Session
-from kvsnap.errors import Conflict, Unavailable
-from kvsnap.policies import Policy, policy_to_json
+from kvsnap.errors import Unavailable
+from kvsnap.policies import Policy
 from kvsnap.store.directory import SessionDirectory, SessionEntry
 from kvsnap.store.tiers import TieredStore
 
-from .sessions import Claim, SessionStore
+from .held import Lease
+from .sessions import SessionStore
 from .turns import SessionSpec, TurnRequest
 
 log = logging.getLogger(__name__)
@@ -56,7 +59,6 @@ class Worker:
         self.sessions.model_lock = self._model
         self.scheduler = Scheduler(engine, self._model, max_batch=max_batch, step_tokens=step_tokens)
         self._stop = threading.Event()
-        self.draining = False
         self._resume: threading.Timer | None = None  # ends a drain (see drain)
         try:
             self.heartbeat()
@@ -71,34 +73,26 @@ class Worker:
     def epoch(self) -> int:
         return self.sessions.epoch
 
+    @property
+    def draining(self) -> bool:
+        """Set by a drain: turns on held sessions are refused (they move), until it ends."""
+        return self.sessions.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.sessions.draining = value
+
     # -- turns ---------------------------------------------------------------------------
     def stream(self, req: TurnRequest) -> TurnStream:
         """Start ``req``: checked, claimed and loaded now (errors raise here, before any model
         work on a bad request); tokens come as the stream is iterated. The stream holds the
         session's claim until it ends or is closed; it commits what was generated either way."""
-        session = self._new(req) if req.new_session is not None else None
-        kept, replayed = None, 0  # a rewind: the messages the session keeps, the tokens replayed
-        with self.sessions.claimed(req.key) as claim:
-            if session is not None:
-                entry, source = self._open(req, session), "new"
-            else:
-                if self.draining:
-                    raise Unavailable("worker is draining; retry (the session moves to another worker)")
-                entry = self.sessions.entry(req.tenant, req.session_id)
-                if req.expected_version and entry.version != req.expected_version:
-                    raise Conflict(
-                        f"session {req.session_id!r} changed since this turn was built on it "
-                        f"(version {entry.version}, expected {req.expected_version})"
-                    )
-                if req.keep_turns is not None:  # back to a turn boundary first (replayed, as a rebuild)
-                    session, kept, replayed = self.sessions.rewound(req.key, entry, req.keep_turns, req.keep_prompt)
-                    source = "rewound"
-                else:  # a rebuild takes the model between the scheduler's steps
-                    session, source = self.sessions.load(req.key, entry)
-            turn = self.engine.start(session, self._unmarked(req, session), req.sampling)
+        fresh = self._new(req) if req.new_session is not None else None
+        with self.sessions.checkout(req, fresh) as lease:  # a rebuild takes the model between steps
+            turn = self.engine.start(lease.session, self._unmarked(req, lease.session), req.sampling)
         job = self.scheduler.job(turn)  # submitted when the stream is first iterated
-        out = TurnStream(source=source, on_close=claim.release, detok=job, cancel=job.cancel)
-        out.tokens = self._run(claim, req, entry, session, job, out, kept, replayed)
+        out = TurnStream(source=lease.source, on_close=lease.claim.release, detok=job, cancel=job.cancel)
+        out.tokens = self._run(req, lease, job, out)
         return out
 
     def run(self, req: TurnRequest) -> TurnResult:
@@ -141,61 +135,39 @@ class Worker:
             return req.tokens
         return req.tokens[n:]
 
-    def _open(self, req: TurnRequest, session: Session) -> SessionEntry:
-        entry = SessionEntry(
-            req.tenant,
-            req.session_id,
-            policy=policy_to_json(session.policy),
-            policy_fingerprint=session.policy.fingerprint(),
-            model=self.engine.loaded.fingerprint,
-            recompress=session.recompress,
-            conversation=req.conversation,
-        )
-        self.sessions.create(entry)
-        return entry
-
-    def _run(self, claim: Claim, req: TurnRequest, entry: SessionEntry, session: Session, job: Job, out, *rewind):
+    def _run(self, req: TurnRequest, lease: Lease, job: Job, out: TurnStream):
         """The turn's tokens as the scheduler makes them; commits when it ends (also when closed early)."""
-        with claim:
+        with lease.claim:
             self.scheduler.submit(job)
             try:
                 yield from job
             except GeneratorExit:  # the client went away: keep what was generated
                 job.cancel()
                 job.wait()
-                self._settle(req, entry, session, job, out, *rewind)
+                self._settle(req, lease, job, out)
                 raise
             except BaseException:  # the turn broke half way: its KV is not trusted, the log is
                 job.cancel()
                 job.wait()
-                self._discard(req, out)
+                self.sessions.checkin(lease, None)
                 raise
-            self._settle(req, entry, session, job, out, *rewind)
+            self._settle(req, lease, job, out)
 
-    def _settle(self, req: TurnRequest, entry: SessionEntry, session: Session, job: Job, out, *rewind) -> None:
-        """Commit what the turn did. One cancelled before it left the queue changed nothing (a new
-        session it was to open is not kept; a session it was to take back stays as it was)."""
+    def _settle(self, req: TurnRequest, lease: Lease, job: Job, out: TurnStream) -> None:
+        """Hand the session back with what the turn did. One cancelled before it left the queue
+        changed nothing (a new session it was to open is not kept; a session it was to take
+        back stays as it was)."""
         if job.error is not None:
-            self._discard(req, out)
+            self.sessions.checkin(lease, None)
         elif job.turn.prefill is not None:
-            self._finish(req, entry, session, job, out, *rewind)
-        elif out.source == "new":
-            self._discard(req, out)
-
-    def _discard(self, req: TurnRequest, out: TurnStream) -> None:
-        self.sessions.forget(req.key)
-        if out.source == "new":
-            self.directory.delete(req.tenant, req.session_id)
-
-    def _finish(
-        self, req: TurnRequest, entry: SessionEntry, session: Session, job: Job, out, kept=None, replayed=0
-    ) -> None:
-        out.finish_reason, out.report = job.turn.finish_reason, job.turn.report
-        out.report.replayed_tokens = replayed
-        messages = list(req.log)
-        if req.answer_role:  # logged as the caller got it: cut at its stop string
-            messages.append({"role": req.answer_role, "content": job.text})
-        self.sessions.commit(req.key, entry, session, messages, req.turn_id, kept)
+            out.finish_reason, out.report = job.turn.finish_reason, job.turn.report
+            out.report.replayed_tokens = lease.replayed
+            messages = list(req.log)
+            if req.answer_role:  # logged as the caller got it: cut at its stop string
+                messages.append({"role": req.answer_role, "content": job.text})
+            self.sessions.checkin(lease, messages, req.turn_id)
+        elif lease.source == "new":
+            self.sessions.checkin(lease, None)
 
     # -- sessions ------------------------------------------------------------------------
     def messages(self, tenant: str, session_id: str) -> list[dict]:

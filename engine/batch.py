@@ -19,15 +19,25 @@ the window on sliding-window layers (the same masks transformers builds for one 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from .cache import SlidingLayer
 from .session import Session
 
-if TYPE_CHECKING:
-    from .capture import WindowCapture
+
+class Capture(Protocol):
+    """What a row's capture does in a packed step (engine/capture.py has the two kinds: a
+    prompt's observation window or a decode step's query, and KVzip+'s scratch pass)."""
+
+    layers: set[int]
+    wants_hidden: bool
+
+    def add(self, layer_idx: int, query: torch.Tensor, scale: float | None, keys: torch.Tensor | None = None): ...
+
+    def add_hidden(self, layer_idx: int, hidden: torch.Tensor) -> None: ...
+
 
 # A 4-D mask makes transformers' mask builders return it as it is (they build none); the
 # ragged attention ignores it.
@@ -42,7 +52,7 @@ class Row:
 
     session: Session
     tokens: list[int]
-    capture: WindowCapture | None = None
+    capture: Capture | None = None
     greedy: bool = False
 
 

@@ -18,7 +18,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from kvsnap.policies.scored import reduce_groups
 
-from .batch import RaggedKV, ragged_attention
+from .batch import BatchCache, RaggedKV, ragged_attention
 
 ATTN_IMPLEMENTATION = "kvsnap"
 
@@ -114,8 +114,6 @@ class ReconstructionCapture:
 def hidden_hook(module, args, kwargs) -> None:
     """A forward pre-hook on a full-attention layer's attention module: hands each packed row's
     attention input to its capture when the capture wants it (KVzap, KVzip+)."""
-    from .batch import BatchCache
-
     cache = kwargs.get("cache")
     if not isinstance(cache, BatchCache):
         return

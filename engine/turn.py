@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -30,8 +30,25 @@ from .detok import Detokenizer
 from .sampling import SamplingParams, sample_next
 from .session import Session, TurnMark, TurnReport
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class TurnEngine(Protocol):
+    """What a turn (and the scheduler running it) needs of its engine; :class:`~.engine.Engine`
+    is one. The engine imports turns; a turn knows the engine by this shape only."""
+
+    tokenizer: object
+    eos_ids: set[int]
+    max_context: int
+    prefill_chunk: int
+
+    def step(self, rows: list[Row]) -> torch.Tensor: ...
+
+    def surrogate(self, kind: str): ...
+
+    def after_prefill(self, job: Prefill) -> None: ...
+
+    def decode_row(self, session: Session, greedy: bool = False) -> Row: ...
+
+    def after_decode(self, row: Row) -> None: ...
 
 
 @dataclass(slots=True)
@@ -45,7 +62,7 @@ class Prefill:
     """A prompt (the session's pending tokens plus the new ones) going onto the cache chunk by
     chunk; after the last chunk the session's policy compresses the full-attention layers."""
 
-    def __init__(self, engine: Engine, session: Session, tokens: list[int], timer: Timer, greedy: bool = False):
+    def __init__(self, engine: TurnEngine, session: Session, tokens: list[int], timer: Timer, greedy: bool = False):
         """``greedy``: the prompt's next token is taken by argmax (only that is computed exactly)."""
         self.engine, self.session, self.timer, self.greedy = engine, session, timer, greedy
         self.first_turn = session.logical_len == 0
@@ -79,7 +96,7 @@ class Prefill:
         self.timer.prefill_s += elapsed_s
         if self.remaining:
             return None
-        self.engine._after_prefill(self)
+        self.engine.after_prefill(self)
         return logits
 
     def step(self, chunk: int) -> torch.Tensor | None:
@@ -91,7 +108,7 @@ class Prefill:
 
 
 class Turn:
-    def __init__(self, engine: Engine, session: Session, tokens: list[int], sampling: SamplingParams | None):
+    def __init__(self, engine: TurnEngine, session: Session, tokens: list[int], sampling: SamplingParams | None):
         self.engine, self.session, self.sampling = engine, session, sampling
         self.tokens = list(tokens)
         self.detok = Detokenizer(engine.tokenizer, sampling.stop) if sampling is not None else None

@@ -21,8 +21,8 @@ import typing
 
 from kvsnap.errors import InvalidArgument
 
-from .base import Policy, gather_rows, step_attention, window_attention
-from .decoding import Compose, Evictor
+from .base import POLICIES, Policy, gather_rows, step_attention, window_attention
+from .decoding import Compose, Evictor, evictor_names
 from .eviction import EVICTION_POLICIES, LRU
 from .full import FullKV
 from .h2o import H2O
@@ -33,10 +33,6 @@ from .scissorhands import Scissorhands
 from .scored import ScoredPolicy, scored_policy
 from .snapkv import SnapKV
 from .streaming import StreamingLLM
-
-# Every policy by name. A policy's parameters are its dataclass fields, declared once: the HTTP
-# schema, the gRPC ``params`` map, the CLI flags and ``kvsnap eval`` specs all read them here.
-POLICIES: dict[str, type[Policy]] = {}
 
 
 def register_policy(cls: type[Policy]) -> type[Policy]:
@@ -79,11 +75,6 @@ def _params_of(cls: type[Policy]) -> dict[str, type]:
                 kind = next(a for a in typing.get_args(kind) if a is not type(None))
             out[f.name] = kind if kind in (bool, int, float, str) else str
     return out
-
-
-def evictor_names() -> list[str]:
-    """Registered policies that also evict while decoding (usable as ``decode``)."""
-    return sorted(n for n, cls in POLICIES.items() if issubclass(cls, Evictor))
 
 
 def coerce_params(name: str, text: dict[str, str]) -> dict:

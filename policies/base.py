@@ -16,6 +16,11 @@ import torch
 
 from kvsnap.errors import InvalidArgument
 
+# Every policy by name (filled by ``register_policy`` in policies/__init__.py). A policy's
+# parameters are its dataclass fields, declared once: the HTTP schema, the gRPC ``params`` map,
+# the CLI flags and ``kvsnap eval`` specs all read them there.
+POLICIES: dict[str, type[Policy]] = {}
+
 
 @dataclass(frozen=True, slots=True)
 class Policy:

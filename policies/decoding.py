@@ -22,7 +22,7 @@ import torch
 
 from kvsnap.errors import InvalidArgument
 
-from .base import Policy, Wrapper
+from .base import POLICIES, Policy, Wrapper
 
 
 class Evictor:
@@ -80,8 +80,6 @@ class Compose(Wrapper, Policy):
         if not isinstance(self.prefill, Policy) or isinstance(self.prefill, Compose):
             raise InvalidArgument("compose needs a prefill policy (not itself a composition)")
         if not isinstance(self.decode, Evictor):
-            from . import evictor_names  # the registry (this module is imported by it)
-
             raise InvalidArgument(
                 f"decode policy must evict while decoding (one of {', '.join(evictor_names())}), "
                 f"got {getattr(self.decode, 'name', self.decode)!r}"
@@ -97,3 +95,8 @@ class Compose(Wrapper, Policy):
 
     def fingerprint(self) -> str:
         return f"{self.prefill.fingerprint()}+decode:{self.decode.fingerprint()}"
+
+
+def evictor_names() -> list[str]:
+    """Registered policies that also evict while decoding (usable as ``decode``)."""
+    return sorted(n for n, cls in POLICIES.items() if issubclass(cls, Evictor))

@@ -14,10 +14,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-
-import ray.exceptions
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from kvsnap.actors.turns import SessionSpec, TurnRequest
 from kvsnap.engine.defaults import overlay
@@ -25,10 +21,8 @@ from kvsnap.engine.sampling import SamplingParams
 from kvsnap.errors import (
     DeadlineExceeded,
     InvalidArgument,
-    KvsnapError,
     NotFound,
     PayloadTooLarge,
-    ResourceExhausted,
     Unavailable,
 )
 from kvsnap.policies import make_policy, policy_params
@@ -36,29 +30,13 @@ from kvsnap.store.directory import SessionDirectory, check_id
 
 from .config import ServiceConfig
 from .metrics import Metrics
+from .outcomes import RETRYABLE, TurnOutcome, as_kvsnap_error, entry_dict, state_view
 from .template import template_for
 
 log = logging.getLogger(__name__)
 
 DRAIN_RESUME_S = 60.0  # a drained replica stays out of placement this long, then takes sessions again
 RETRY_WINDOW_S = 30.0  # a replica that died before answering: retry this long (a replacement starts meanwhile)
-RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, DeploymentUnavailableError)
-
-
-@dataclass(slots=True)
-class TurnOutcome:
-    """What a finished turn returns to the edge."""
-
-    session_id: str
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = "length"
-    prompt_tokens: int = 0
-    worker: str = ""
-    source: str = ""
-    state: dict | None = None
-    timings: dict = field(default_factory=dict)  # the worker's: queue / prefill / reselect / decode / ttft seconds
-    replayed_tokens: int = 0  # tokens replayed to take the session back to a turn boundary (a rewind)
 
 
 class SessionAPI:
@@ -358,39 +336,3 @@ class SessionAPI:
 async def _aiter(items):
     for item in items:
         yield item
-
-
-def as_kvsnap_error(exc: BaseException) -> KvsnapError:
-    """The kvsnap error inside whatever Ray wrapped it in; infrastructure failures become Unavailable."""
-    if isinstance(exc, KvsnapError):
-        return exc
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, KvsnapError):
-        return cause
-    if isinstance(exc, BackPressureError):
-        return ResourceExhausted("too many requests queued; retry shortly")
-    if isinstance(exc, RETRYABLE):
-        return Unavailable(f"worker unavailable: {type(exc).__name__}; retry")
-    log.error("unexpected error: %r", exc)
-    return KvsnapError(f"internal error: {type(exc).__name__}")
-
-
-def entry_dict(entry) -> dict:
-    return {f: getattr(entry, f) for f in entry.__slots__}
-
-
-def state_view(entry: dict | None) -> dict:
-    if entry is None:
-        raise Unavailable("the session's state is not available; retry")
-    return {
-        "session_id": entry["session_id"],
-        "logical_len": entry["logical_len"],
-        "kept_len": entry["kept_len"],
-        "kv_bytes": entry["kv_bytes"],
-        "tier": entry["tier"],
-        "turns": entry["turns"],
-        "policy": entry["policy_fingerprint"],
-        "version": entry["version"],
-        "created": entry["created"],
-        "last_used": entry["last_used"],
-    }

@@ -18,9 +18,9 @@ from grpc_reflection.v1alpha import reflection
 from kvsnap.errors import InvalidArgument, KvsnapError
 from kvsnap.policies import coerce_params, evictor_names
 
-from .api import as_kvsnap_error, state_view
 from .auth import tenant_for
 from .grpc_stubs import pb2, pb2_grpc
+from .outcomes import as_kvsnap_error, state_view
 from .status import grpc_status
 
 log = logging.getLogger(__name__)

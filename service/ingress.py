@@ -22,12 +22,13 @@ from kvsnap.engine.models import tokenizer_for
 from kvsnap.errors import InvalidArgument, KvsnapError, PayloadTooLarge, PermissionDenied
 from kvsnap.store.directory import SessionDirectory
 
-from .api import DRAIN_RESUME_S, SessionAPI, TurnOutcome, state_view
+from .api import DRAIN_RESUME_S, SessionAPI
 from .auth import ADMIN, ADMIN_PREFIX, OPEN_PATHS, check_admin, tenant_for
 from .config import ServiceConfig
 from .grpc_server import start_grpc_server
 from .metrics import Metrics
 from .openai import router as openai_router
+from .outcomes import TurnOutcome, state_view
 from .responses import api_of, current, final, sse
 from .schemas import CreateSession, SessionState, Turn, TurnAnswer
 from .status import error_body, http_status, retry_after

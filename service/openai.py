@@ -7,13 +7,13 @@ is served from the last point it shares (a turn boundary; for completions also t
 turn's prompt, its answer re-formatted), unless it asks for ``history: strict``. Without a
 header, a request resumes the implicit session of its tenant (and OpenAI ``user``) whose
 conversation (chat) or text (completions) it extends or shares, matched by content; one
-matching none opens a session of its own, which later requests can match.
+matching none opens a session of its own, which later requests can match. Which session a
+request continues, and from which point, is decided in :mod:`.matching`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,12 +21,24 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from kvsnap.actors.turns import turn_boundaries
-from kvsnap.errors import Conflict, InvalidArgument, NotFound
-from kvsnap.store.directory import CONVERSATION_ROLES as CHAT_ROLES
-from kvsnap.store.directory import RAW_ROLES, check_id
+from kvsnap.errors import Conflict, InvalidArgument
+from kvsnap.store.conversations import CONVERSATION_ROLES as CHAT_ROLES
+from kvsnap.store.conversations import RAW_ROLES
+from kvsnap.store.records import check_id
 
-from .api import SessionAPI, TurnOutcome, state_view
+from .api import SessionAPI
+from .matching import (
+    extends_text,
+    match_chat,
+    match_text,
+    raw_text,
+    resume_or_open,
+    scope_of,
+    shared_turns,
+    unknown_turns,
+    with_empty_answers,
+)
+from .outcomes import TurnOutcome, state_view
 from .responses import api_of, current, final, sse
 from .schemas import ChatCompletionRequest, CompletionRequest
 
@@ -71,78 +83,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         events = chat(*args, marks=marks, strict=strict)
         return await _openai(events, request, {"sid": sid}, chat=True, stream=body.stream)
     implicit = api.cfg.implicit_sessions and (body.kvsnap is None or body.kvsnap.session != "none")
-    scope = _scope(body)  # the OpenAI `user`: its own conversations
+    scope = scope_of(body)  # the OpenAI `user`: its own conversations
     fresh = {"sid": uuid.uuid4().hex}  # a session of its own, which later requests can resume
 
     def open_fresh():
         conversation = scope if implicit else ""
         return chat(api, tenant, fresh["sid"], messages, sampling, settings, "http", None, body.stream, 0, conversation)
 
-    matched = await _match(api, tenant, scope, messages, settings) if implicit else None
+    matched = await match_chat(api, tenant, scope, messages, settings) if implicit else None
     if matched is None:
         return await _openai(open_fresh(), request, fresh, chat=True, stream=body.stream)
     msid, stored, version = matched
     used = {"sid": msid}
     resumed = chat(api, tenant, msid, messages, sampling, settings, "http", stored, body.stream, version)
-    events = _resume_or_open(resumed, open_fresh, used, fresh["sid"])
+    events = resume_or_open(resumed, open_fresh, used, fresh["sid"])
     return await _openai(events, request, used, chat=True, stream=body.stream)
 
 
 def session_header(request: Request, api: SessionAPI) -> str | None:
     """The session a request names: the first of the configured session headers it carries."""
     return next((request.headers[h] for h in api.cfg.session_headers if request.headers.get(h)), None)
-
-
-async def _match(api: SessionAPI, tenant: str, scope: str, messages: list[dict], settings: dict | None):
-    """(session id, its messages, its version) of this tenant's implicit session whose
-    conversation ``messages`` extend with a user message, by content; None when there is none,
-    or when the request's settings are not the session's (they apply when a session opens)."""
-    sid = await asyncio.to_thread(api.directory.match_conversation, tenant, scope, messages[:-1])
-    if sid is None:
-        return None
-    entry = await asyncio.to_thread(api.directory.get, tenant, sid)
-    if entry is None or entry.conversation != scope or not _same_settings(settings, entry):
-        return None
-    stored = await asyncio.to_thread(api.directory.messages, tenant, sid)
-    if len(messages) <= len(stored) or messages[: len(stored)] != stored or messages[len(stored)]["role"] != "user":
-        return None
-    return sid, stored, entry.version
-
-
-def _same_settings(settings: dict | None, entry) -> bool:
-    """Whether every setting a request names is the session's (policy, recompress, parameters)."""
-    spec, recompress = json.loads(entry.policy), entry.recompress
-    if spec["name"] == "reselect":
-        spec, recompress = spec["params"]["inner"], "reselect"
-    params = spec["params"]
-    for key, value in (settings or {}).items():
-        if value is None:
-            continue
-        if key == "decode":
-            have = params.get("decode") or {}
-            if any(have.get(k) != v for k, v in value.items() if v is not None):
-                return False
-        elif {"policy": spec["name"], "recompress": recompress}.get(key, params.get(key)) != value:
-            return False
-    return True
-
-
-async def _resume_or_open(resumed, open_fresh, used: dict, fresh_sid: str):
-    """The events of the resumed session's turn; when it is refused before any output (another
-    turn runs on it, or it changed since it was matched), those of a session of its own."""
-    try:
-        try:
-            first = await resumed.__anext__()
-        except (Conflict, NotFound):  # busy, changed, or gone since it was matched
-            await resumed.aclose()
-            used["sid"] = fresh_sid
-            resumed = open_fresh()
-            first = await resumed.__anext__()
-        yield first
-        async for event in resumed:
-            yield event
-    finally:
-        await resumed.aclose()
 
 
 @router.post(
@@ -163,68 +123,21 @@ async def completions(body: CompletionRequest, request: Request):
         events = complete(*args, entry=entry, marks=marks, strict=strict)
         return await _openai(events, request, {"sid": sid}, chat=False, stream=body.stream)
     implicit = api.cfg.implicit_sessions and (body.kvsnap is None or body.kvsnap.session != "none")
-    scope = _scope(body)
+    scope = scope_of(body)
     fresh = {"sid": uuid.uuid4().hex}
 
     def open_fresh():
         args = (api, tenant, fresh["sid"], body.prompt, sampling, settings, "http", None, body.stream)
         return complete(*args, conversation=scope if implicit else "")
 
-    matched = await _match_text(api, tenant, scope, body.prompt, settings, strict) if implicit else None
+    matched = await match_text(api, tenant, scope, body.prompt, settings, strict) if implicit else None
     if matched is None:
         return await _openai(open_fresh(), request, fresh, chat=False, stream=body.stream)
     msid, stored, entry, marks = matched
     used = {"sid": msid}
     resumed = complete(api, tenant, msid, body.prompt, sampling, settings, "http", stored, body.stream, entry, marks)
-    events = _resume_or_open(resumed, open_fresh, used, fresh["sid"])
+    events = resume_or_open(resumed, open_fresh, used, fresh["sid"])
     return await _openai(events, request, used, chat=False, stream=body.stream)
-
-
-def _scope(body) -> str:
-    """Whose implicit sessions a request may resume: its tenant's, within the OpenAI ``user`` it names."""
-    user = (body.model_extra or {}).get("user")
-    return f"u:{user}" if isinstance(user, str) and user else "-"
-
-
-async def _match_text(api: SessionAPI, tenant: str, scope: str, prompt: str, settings: dict | None, strict: bool):
-    """(session id, its log, entry, marks) of this tenant's implicit raw session that shares the
-    most of ``prompt``: one the prompt extends, else the one it shares the longest turn boundary
-    or prompt with (``strict``: only one it extends); None when there is none (or the request's
-    settings are not its own)."""
-    best, best_len = None, -1
-    for sid in await asyncio.to_thread(api.directory.match_text, tenant, scope, prompt):
-        entry = await asyncio.to_thread(api.directory.get, tenant, sid)
-        if entry is None or entry.conversation != scope or not _same_settings(settings, entry):
-            continue
-        stored, marks = await asyncio.to_thread(api.directory.messages_and_marks, tenant, sid)
-        if not stored or any(m["role"] not in RAW_ROLES for m in stored):
-            continue
-        shared = _shared_text(prompt, stored, marks, strict)
-        if shared > best_len:
-            best, best_len = (sid, stored, entry, marks), shared
-    return best
-
-
-def _shared_text(prompt: str, stored: list[dict], marks: list, strict: bool = False) -> int:
-    """How many characters of a raw session's log ``prompt`` reuses: all of it when it extends
-    it, else up to the last turn boundary or prompt it shares; -1 when none."""
-    if _extends(prompt, stored, len(stored)):
-        return len(_text(stored, len(stored)))
-    if strict:
-        return -1
-    keep, _, at = shared_turns(stored, marks, lambda upto: _extends(prompt, stored, upto), prompts=True)
-    return -1 if keep is None else len(_text(stored, at))
-
-
-def _text(stored: list[dict], upto: int) -> str:
-    """A raw session's text: its first ``upto`` logged prompts and completions."""
-    return "".join(m["content"] for m in stored[:upto])
-
-
-def _extends(prompt: str, stored: list[dict], upto: int) -> bool:
-    """Whether ``prompt`` starts with a raw session's first ``upto`` messages and adds text."""
-    head = _text(stored, upto)
-    return prompt.startswith(head) and len(prompt) > len(head)
 
 
 def chat(
@@ -264,49 +177,12 @@ def chat(
         keep, _, at = shared_turns(stored, marks, lambda b: messages[:b] == stored[:b] and len(messages) > b)
         if keep is None:
             raise Conflict(
-                f"the messages share no whole turn with session {session_id!r}{_unknown(stored, marks)}: {advice}"
+                f"the messages share no whole turn with session {session_id!r}{unknown_turns(stored, marks)}: {advice}"
             )
     new = messages[at:]
     tokens = api.tokens(new, first=False)
     req = api.next_turn(tenant, session_id, tokens, params, new, "assistant", expected_version, keep_turns=keep)
     return api.stream(req, protocol, streaming)
-
-
-def with_empty_answers(messages: list[dict], stored: list[dict]) -> list[dict]:
-    """``messages`` with the session's empty answers put back where the client left them out
-    (clients such as aiperf drop an assistant message that had no text). The session holds
-    such an answer as it was generated; the request means the same conversation."""
-    out, i = [], 0
-    for m in stored:
-        if i < len(messages) and messages[i] == m:
-            out.append(messages[i])
-            i += 1
-        elif m["role"] == "assistant" and m["content"] == "":
-            out.append(m)
-        else:
-            return messages  # a real departure: the caller sees it as it is
-    return out + messages[i:]
-
-
-def _unknown(stored: list[dict], marks: list | None) -> str:
-    """What a refusal adds when the session's log does not record where its turns end."""
-    return "" if turn_boundaries(stored, marks or []) else " (its log does not record where its turns end)"
-
-
-def shared_turns(stored: list[dict], marks: list | None, shares, prompts: bool = False) -> tuple[int | None, bool, int]:
-    """The longest point of a session (``stored`` messages, its turns' ``marks``) before its end
-    that a diverging request ``shares`` (called with a count of messages): a turn boundary, or
-    with ``prompts`` also the end of a turn's prompt before its answer (raw completions, where
-    no template sits between a prompt and its answer). Returns (the whole turns to keep,
-    whether the next turn's prompt is kept too, the messages kept), or (None, False, 0)."""
-    bounds = turn_boundaries(stored, marks or [])
-    for turn in range(len(bounds), 0, -1):
-        end, start = bounds[turn - 1], bounds[turn - 2] if turn > 1 else 0
-        if prompts and end - start > 1 and stored[end - 1]["role"] == "completion" and shares(end - 1):
-            return turn - 1, True, end - 1
-        if turn > 1 and shares(start):  # the last boundary is the whole log: not a divergence
-            return turn - 1, False, start
-    return None, False, 0
 
 
 def complete(
@@ -349,7 +225,7 @@ def complete(
         raise Conflict("this session was built by the chat API; continue it with /v1/chat/completions")
 
     def extends(upto: int) -> bool:
-        return _extends(prompt, stored, upto)
+        return extends_text(prompt, stored, upto)
 
     keep, prompt_kept, at = None, False, len(stored)
     if not extends(len(stored)):
@@ -361,8 +237,8 @@ def complete(
             raise Conflict(f"{advice} (history: strict)")
         keep, prompt_kept, at = shared_turns(stored, marks, extends, prompts=True)
         if keep is None:
-            raise Conflict(f"{advice}; it shares no whole turn with it{_unknown(stored, marks)}")
-    new = prompt[len(_text(stored, at)) :]
+            raise Conflict(f"{advice}; it shares no whole turn with it{unknown_turns(stored, marks)}")
+    new = prompt[len(raw_text(stored, at)) :]
     req = api.next_turn(
         tenant,
         session_id,

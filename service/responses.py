@@ -12,7 +12,8 @@ from fastapi.responses import StreamingResponse
 
 from kvsnap.errors import KvsnapError
 
-from .api import SessionAPI, TurnOutcome, as_kvsnap_error
+from .api import SessionAPI
+from .outcomes import TurnOutcome, as_kvsnap_error
 from .status import error_body
 
 

@@ -12,19 +12,17 @@ list) and the turn marks beside it (each turn's prompt / generated token counts 
 KV length, a JSON chunk per commit) are what make a lost KV recoverable: the session
 is rebuilt by replaying its turns, each prefilled and compressed as it ran.
 
+The entry's fields and the packing of the logs are in :mod:`.records`; the records implicit
+sessions are matched by (conversation and text digests) in :mod:`.conversations`.
+
 Every call has a short socket timeout; a dead Redis raises ``Unavailable`` within
 about two seconds, never hangs.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
-import sys
 import time
-from array import array
-from dataclasses import asdict, dataclass, fields
 
 import redis
 
@@ -32,70 +30,10 @@ from kvsnap.engine.session import TurnMark
 from kvsnap.errors import Conflict, InvalidArgument, NotFound, Unavailable
 
 from . import scripts
+from .conversations import ConversationIndex
+from .records import SessionEntry, check_id, pack_marks, pack_messages, pack_tokens, session_key, unpack_tokens
 
-ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-
-
-@dataclass(slots=True)
-class SessionEntry:
-    tenant: str
-    session_id: str
-    owner: str = ""
-    epoch: int = 0
-    tier: str = ""
-    logical_len: int = 0
-    kept_len: int = 0
-    kv_bytes: int = 0
-    policy: str = ""  # JSON {"name": ..., "params": {...}}: enough to rebuild the policy
-    policy_fingerprint: str = ""
-    model: str = ""
-    recompress: str = "per_turn"
-    turns: int = 0
-    created: float = 0.0
-    last_used: float = 0.0
-    version: int = 0
-    log_len: int = 0  # tokens in the token log
-    last_turn: str = ""  # the caller's id of the last committed turn ("" when it gave none)
-    conversation: str = ""  # set: an implicit session, matched by content within this scope
-
-    @classmethod
-    def from_hash(cls, tenant: str, session_id: str, raw: dict[bytes, bytes]) -> SessionEntry:
-        values = {k.decode(): v.decode() for k, v in raw.items()}
-        kwargs = {}
-        for f in fields(cls):
-            if f.name in ("tenant", "session_id") or f.name not in values:
-                continue
-            kind = {"int": int, "float": float}.get(f.type, str)
-            kwargs[f.name] = kind(values[f.name])
-        return cls(tenant, session_id, **kwargs)
-
-    def fields_flat(self, exclude: tuple[str, ...] = ("tenant", "session_id", "version")) -> list[str | int | float]:
-        flat: list[str | int | float] = []
-        for key, value in asdict(self).items():
-            if key not in exclude:
-                flat += [key, value]
-        return flat
-
-
-def pack_tokens(tokens: list[int]) -> bytes:
-    packed = array("I", tokens)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def unpack_tokens(chunks: list[bytes]) -> list[int]:
-    packed = array("I")
-    for chunk in chunks:
-        packed.frombytes(chunk)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tolist()
-
-
-def session_key(prefix: str, tenant: str, session_id: str) -> str:
-    """The Redis key of a session's entry hash (the router reads it too)."""
-    return f"{prefix}:s:{check_id('tenant', tenant)}:{check_id('session id', session_id)}"
+__all__ = ["SessionDirectory", "SessionEntry", "check_id", "owner_of", "session_key"]
 
 
 async def owner_of(aclient, prefix: str, tenant: str, session_id: str) -> str:
@@ -105,57 +43,7 @@ async def owner_of(aclient, prefix: str, tenant: str, session_id: str) -> str:
     return owner.decode() if owner else ""
 
 
-def _pack_messages(messages: list[dict] | None) -> str:
-    return json.dumps(messages) if messages else ""
-
-
-def _pack_marks(marks: list[TurnMark] | None) -> str:
-    return json.dumps([m.to_list() for m in marks]) if marks else ""
-
-
-CONVERSATION_ROLES = {"system", "document", "user", "assistant"}
-RAW_ROLES = {"prompt", "completion"}  # a raw completion session's log
-
-
-AMBIGUOUS = b"*"  # a conversation two sessions hold: matched by neither
-
-
-def conversation_digests(tenant: str, scope: str, messages: list[dict]) -> list[str]:
-    """A hash chain over a conversation, seeded with the tenant and a scope (the OpenAI ``user``
-    a request names, else "-"): digest ``i`` stands for ``messages[: i + 1]``. What a request
-    without a session id is matched by (implicit sessions)."""
-    chain = hashlib.blake2b(f"{check_id('tenant', tenant)}\0{scope}".encode(), digest_size=16)
-    digests = []
-    for message in messages:
-        chain.update(json.dumps([message.get("role"), message.get("content")], ensure_ascii=False).encode() + b"\0")
-        digests.append(chain.copy().hexdigest())
-    return digests
-
-
-TEXT_BLOCK = 64  # characters: a raw prompt is matched at multiples of this many
-TEXT_CANDIDATES = 4  # sessions kept (newest first) under one text prefix
-TEXT_MAX_BLOCKS = 4096  # a prompt is looked up by its first this many blocks (256K characters)
-
-
-def text_digests(tenant: str, scope: str, text: str) -> list[str]:
-    """A hash chain over a raw text in blocks of :data:`TEXT_BLOCK` characters, seeded as
-    :func:`conversation_digests`: digest ``i`` stands for ``text[: (i + 1) * TEXT_BLOCK]``.
-    What a completion without a session id is matched by."""
-    chain = hashlib.blake2b(f"{check_id('tenant', tenant)}\0{scope}\0text".encode(), digest_size=16)
-    digests = []
-    for i in range(len(text) // TEXT_BLOCK):
-        chain.update(text[i * TEXT_BLOCK : (i + 1) * TEXT_BLOCK].encode())
-        digests.append(chain.copy().hexdigest())
-    return digests
-
-
-def check_id(kind: str, value: str) -> str:
-    if not isinstance(value, str) or not ID_PATTERN.match(value):
-        raise InvalidArgument(f"{kind} must be 1-128 characters of A-Z a-z 0-9 . _ : -, got {value!r}")
-    return value
-
-
-class SessionDirectory:
+class SessionDirectory(ConversationIndex):
     def __init__(
         self,
         url: str,
@@ -243,8 +131,8 @@ class SessionDirectory:
             args=[
                 self.session_ttl_s,
                 pack_tokens(tokens),
-                _pack_messages(messages),
-                _pack_marks(marks),
+                pack_messages(messages),
+                pack_marks(marks),
                 *entry.fields_flat(),
             ],
         )
@@ -322,8 +210,8 @@ class SessionDirectory:
                 expected_version,
                 int(replace),
                 pack_tokens(tokens),
-                _pack_messages(messages),
-                _pack_marks(marks),
+                pack_messages(messages),
+                pack_marks(marks),
                 *entry.fields_flat(),
             ],
         )
@@ -353,8 +241,8 @@ class SessionDirectory:
                 self.session_ttl_s,
                 entry.version,
                 pack_tokens(tokens),
-                _pack_messages(messages),
-                _pack_marks(marks),
+                pack_messages(messages),
+                pack_marks(marks),
                 *entry.fields_flat(),
             ],
         )
@@ -397,76 +285,6 @@ class SessionDirectory:
         values = self._call(self.client.mget, keys) if keys else []
         prefix = len(f"{self.prefix}:load:")
         return {k.decode()[prefix:]: json.loads(v) for k, v in zip(keys, values, strict=True) if v}
-
-    # -- implicit sessions: conversations by content ----------------------------------------
-    def conversation_key(self, tenant: str, digest: str) -> str:
-        return f"{self.prefix}:h:{check_id('tenant', tenant)}:{digest}"
-
-    def register_conversation(self, tenant: str, scope: str, session_id: str, messages: list[dict]) -> None:
-        """Record that ``session_id`` holds exactly ``messages`` (an implicit session's log, ending
-        with its answer), so that a request repeating them and adding more resumes it. Expires
-        with the session's TTL; an older state's record stays until then (it no longer matches
-        the session's log, and the edge checks the log). A conversation another session holds
-        too (two users of one key saying the same) becomes ambiguous: matched by neither. A raw
-        completion's log is recorded by its text instead (:meth:`match_text`)."""
-        if messages and all(m.get("role") in RAW_ROLES for m in messages):
-            self._register_text(tenant, scope, session_id, messages)
-            return
-        if not messages or messages[-1].get("role") != "assistant":
-            return
-        if any(m.get("role") not in CONVERSATION_ROLES for m in messages):
-            return
-        key = self.conversation_key(tenant, conversation_digests(tenant, scope, messages)[-1])
-        taken = not self._call(self.client.set, key, session_id, ex=self.session_ttl_s, nx=True)
-        if taken and self._call(self.client.get, key) not in (session_id.encode(), None):
-            self._call(self.client.set, key, AMBIGUOUS, ex=self.session_ttl_s)
-
-    def match_conversation(self, tenant: str, scope: str, messages: list[dict]) -> str | None:
-        """The implicit session of this tenant and scope whose log is the longest prefix of
-        ``messages`` that ends with an answer; None when there is none (or it is ambiguous)."""
-        digests = conversation_digests(tenant, scope, messages)
-        ends = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
-        if not ends:
-            return None
-        found = self._call(self.client.mget, [self.conversation_key(tenant, digests[i]) for i in ends])
-        longest = next((sid for sid in reversed(found) if sid), None)
-        return None if longest in (None, AMBIGUOUS) else longest.decode()
-
-    def text_key(self, tenant: str, digest: str) -> str:
-        return f"{self.prefix}:ht:{check_id('tenant', tenant)}:{digest}"
-
-    def _register_text(self, tenant: str, scope: str, session_id: str, messages: list[dict]) -> None:
-        """Record a raw session's text under two prefixes: its whole transcript (a prompt that
-        extends it) and the end of its last prompt (a prompt that repeats that prompt and then
-        re-formats its answer, as a client flattening a conversation does), each cut down to a
-        whole block. Several sessions may share a prefix: the newest few are kept under it."""
-        text = "".join(m["content"] for m in messages)
-        prompt_end = len(text) - len(messages[-1]["content"]) if messages[-1]["role"] == "completion" else len(text)
-        digests = text_digests(tenant, scope, text)
-        now = time.time()
-        pipe = self.client.pipeline(transaction=False)
-        for cut in {len(text) // TEXT_BLOCK, prompt_end // TEXT_BLOCK} - {0}:
-            key = self.text_key(tenant, digests[cut - 1])
-            pipe.zadd(key, {session_id: now})
-            pipe.zremrangebyrank(key, 0, -TEXT_CANDIDATES - 1)
-            pipe.expire(key, self.session_ttl_s)
-        self._call(pipe.execute)
-
-    def match_text(self, tenant: str, scope: str, text: str) -> list[str]:
-        """Sessions of this tenant and scope recorded under the longest block prefixes of
-        ``text`` that have any (the longest three, newest first within each; the edge checks
-        each one's log): candidates for a raw completion without a session id."""
-        digests = text_digests(tenant, scope, text[: TEXT_BLOCK * TEXT_MAX_BLOCKS])
-        if not digests:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for digest in digests:
-            pipe.zrevrange(self.text_key(tenant, digest), 0, TEXT_CANDIDATES - 1)
-        found = self._call(pipe.execute)
-        out: list[str] = []  # the longest prefix's sessions first, then shorter ones' (up to 3 prefixes)
-        for ids in [ids for ids in reversed(found) if ids][:3]:
-            out += [sid.decode() for sid in ids if sid.decode() not in out]
-        return out
 
     def worker_known(self, worker_id: str) -> bool:
         """True while ``worker_id`` has a live heartbeat (any incarnation)."""

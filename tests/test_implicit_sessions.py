@@ -15,9 +15,10 @@ from kvsnap.actors.turns import TurnRequest
 from kvsnap.engine import SamplingParams
 from kvsnap.errors import Conflict
 from kvsnap.policies import make_policy
-from kvsnap.service.openai import _resume_or_open
+from kvsnap.service.matching import resume_or_open
 from kvsnap.service.template import encode_messages
-from kvsnap.store.directory import SessionDirectory, conversation_digests, text_digests
+from kvsnap.store.conversations import conversation_digests, text_digests
+from kvsnap.store.directory import SessionDirectory
 
 from .conftest import random_tokens
 from .test_service import DOC, FULL, QUESTIONS
@@ -118,7 +119,7 @@ def test_a_refused_resumption_gives_way_to_a_new_session():
     used = {"sid": "matched"}
 
     async def run():
-        return [e async for e in _resume_or_open(refused(), fresh, used, "new-one")]
+        return [e async for e in resume_or_open(refused(), fresh, used, "new-one")]
 
     assert asyncio.run(run()) == [{"text": "hi"}, {"done": True}] and used["sid"] == "new-one"
 

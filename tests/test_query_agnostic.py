@@ -235,7 +235,7 @@ def test_surrogates_must_be_trained_on_the_model_and_kvzip_turns_fit_twice(llama
     path = tmp_path / "tiny.linear.safetensors"
     nets["linear"].save(path, {"fingerprint": "another-model"})
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("kvsnap.engine.engine.weights_path", lambda model, kind: path)
+        patch.setattr("kvsnap.engine.compress.weights_path", lambda model, kind: path)
         with pytest.raises(InvalidArgument, match="trained on another model"):
             llama_engine.surrogate("linear")
         nets["linear"].save(path, {"fingerprint": llama_engine.loaded.fingerprint})

@@ -47,7 +47,7 @@ def test_turn_boundaries_come_from_the_messages_each_turn_logged():
 
 
 def test_a_client_that_leaves_out_an_empty_answer_continues_its_session():
-    from kvsnap.service.openai import with_empty_answers
+    from kvsnap.service.matching import with_empty_answers
 
     sys, a = {"role": "system", "content": "doc"}, {"role": "assistant", "content": "A"}
     empty = {"role": "assistant", "content": ""}

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 
 def cmd_serve(args) -> int:
-    """Local Ray, embedded Redis (unless KVSNAP_REDIS_URL), the app; foreground until Ctrl-C."""
+    """Local Ray, embedded Redis (unless KVSNAP_REDIS_URL), the app; foreground until Ctrl-C.
+    Exits 1, naming each failed replica's own error, when the app does not start."""
     import signal
+    import sys
     import threading
     from pathlib import Path
 
@@ -33,6 +35,8 @@ def cmd_serve(args) -> int:
 
         from kvsnap.service.app import APP_NAME, build_app
 
+        from .startup import StartupFailed, deploy
+
         cpus = max(2, int(cfg.replicas * cfg.cpus_per_replica + 0.999))
         # address="local": always a Ray of its own, never one found on the machine (`ray start`)
         ray.init(
@@ -44,15 +48,14 @@ def cmd_serve(args) -> int:
             "once (about a minute)...",
             flush=True,
         )
-        serve.run(build_app(cfg, redis_url), name=APP_NAME, route_prefix="/")
-        print(f"\nkvsnap is serving\n  HTTP  http://{cfg.http_host}:{cfg.http_port}  (OpenAPI: /docs)")
-        if cfg.grpc_port:
-            print(f"  gRPC  {cfg.http_host}:{cfg.grpc_port}  (reflection on)")
-        if generated_key:
-            print(f"  API key (tenant 'default'): {generated_key}")
-        else:
-            print(f"  API keys: {len(cfg.api_keys)} configured")
-        print("Ctrl-C stops everything.", flush=True)
+        try:
+            deploy(build_app(cfg, redis_url), APP_NAME, route_prefix="/")
+        except StartupFailed as exc:  # each replica's own error, not Serve's traceback
+            print(f"kvsnap serve: {exc}", file=sys.stderr, flush=True)
+            serve.shutdown()
+            ray.shutdown()
+            return 1
+        _serving(cfg, generated_key)
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         try:
@@ -67,6 +70,18 @@ def cmd_serve(args) -> int:
         if embedded:
             embedded.stop()
     return 0
+
+
+def _serving(cfg, generated_key: str | None) -> None:
+    """Where the service answers, and with which key."""
+    print(f"\nkvsnap is serving\n  HTTP  http://{cfg.http_host}:{cfg.http_port}  (OpenAPI: /docs)")
+    if cfg.grpc_port:
+        print(f"  gRPC  {cfg.http_host}:{cfg.grpc_port}  (reflection on)")
+    if generated_key:
+        print(f"  API key (tenant 'default'): {generated_key}")
+    else:
+        print(f"  API keys: {len(cfg.api_keys)} configured")
+    print("Ctrl-C stops everything.", flush=True)
 
 
 def cmd_spot_watch(args) -> int:

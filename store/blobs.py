@@ -1,0 +1,104 @@
+"""A session's KV at rest: a :class:`KVBlob` (each layer's keys and values, the session's
+logical length, the version it belongs to, a checksum, KIVI-packed or not) and its bytes
+(safetensors with the metadata in the header) on disk and in a drain's hand-over."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load, save
+
+from kvsnap.policies.kivi import KIVI, unpack
+
+
+@dataclass(slots=True)
+class KVBlob:
+    """One session's KV at rest: ``[k_0, v_0, k_1, v_1, ...]`` plus the lengths to rebuild the cache.
+
+    A KIVI-packed blob has ``layout`` (one entry per original tensor) and its ``tensors`` are
+    the packed parts; :meth:`unpacked` gives the dequantized tensors back. An ``exact`` blob is
+    never quantized, whatever the tier's KIVI settings (a re-selection session's full copy: its
+    rows are scored and copied back every turn, so they stay at full precision)."""
+
+    tensors: list[torch.Tensor]
+    logical_len: int
+    version: int  # the directory version this KV belongs to
+    checksum: str = ""
+    layout: list[dict] | None = None
+    exact: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def compute_checksum(self) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{self.logical_len}:{self.version}".encode())
+        if self.layout is not None:
+            h.update(json.dumps(self.layout, sort_keys=True).encode())
+        for t in self.tensors:
+            h.update(str(tuple(t.shape)).encode())
+            h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def to(self, device: torch.device | str, pin: bool = False) -> KVBlob:
+        moved = [t.to(device) for t in self.tensors]
+        if pin:
+            moved = [t.pin_memory() for t in moved]
+        return KVBlob(moved, self.logical_len, self.version, self.checksum, self.layout, self.exact)
+
+    def packed(self, kivi: KIVI) -> KVBlob:
+        parts, layout = kivi.pack(self.tensors)
+        return KVBlob(parts, self.logical_len, self.version, "", layout)
+
+    def unpacked(self) -> KVBlob:
+        if self.layout is None:
+            return self
+        return KVBlob(unpack(self.tensors, self.layout), self.logical_len, self.version)
+
+    def packed_by(self, kivi: KIVI | None) -> bool:
+        """True when this blob is stored exactly as ``kivi`` (None: unquantized) would store it."""
+        if self.layout is None or kivi is None:
+            return self.layout is None and kivi is None
+        want = kivi.settings()
+        return all({k: m[k] for k in want} == want for m in self.layout)
+
+
+def blob_to_bytes(blob: KVBlob) -> bytes:
+    """A self-checking serialisation (safetensors + checksum in its metadata): disk tier and hand-over."""
+    tensors = {f"t{i}": t.detach().contiguous().cpu() for i, t in enumerate(blob.tensors)}
+    meta = {
+        "logical_len": str(blob.logical_len),
+        "version": str(blob.version),
+        "n": str(len(tensors)),
+        "checksum": blob.compute_checksum(),
+    }
+    if blob.layout is not None:
+        meta["layout"] = json.dumps(blob.layout)
+    if blob.exact:
+        meta["exact"] = "1"
+    return save(tensors, metadata=meta)
+
+
+def blob_from_bytes(data: bytes) -> KVBlob:
+    """Inverse of :func:`blob_to_bytes`; raises ValueError on a truncated, garbled or mismatching blob."""
+    try:
+        header_len = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8 : 8 + header_len])["__metadata__"]
+        loaded = load(data)
+        blob = KVBlob(
+            [loaded[f"t{i}"] for i in range(int(meta["n"]))],
+            int(meta["logical_len"]),
+            int(meta["version"]),
+            meta["checksum"],
+            json.loads(meta["layout"]) if "layout" in meta else None,
+            meta.get("exact") == "1",
+        )
+    except Exception as exc:
+        raise ValueError(f"unreadable KV blob: {exc}") from exc
+    if blob.compute_checksum() != blob.checksum:
+        raise ValueError("KV blob checksum mismatch")
+    return blob
