@@ -9,6 +9,11 @@ session, it ranks the replicas by KV bytes held, then queue length (least loaded
 first); the replica that gets the turn then imports or rebuilds the KV (a move,
 counted by the worker). ``session_id = "worker:<id>"`` addresses one replica
 (admin calls such as drain).
+
+When Redis does not answer in time (a busy machine: the lookup runs on the ingress's event
+loop), the router sends the turn where it last saw the session go: the owner Redis last
+named, or the replica this router last routed one of the session's calls to (its open too,
+whose holder Redis cannot name before that open commits), never away by load alone.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ class AffinityRouter(RequestRouter):
         self, redis_url: str = "", prefix: str = "kvsnap", overload_queue_len: int = 8, affinity: bool = True, **_
     ):
         self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=5.0, socket_connect_timeout=2.0)
-        # Last owner seen per session: under heavy load a Redis answer can be slow, and a
-        # failed lookup must not send a turn away from its cache.
+        # Last owner seen per session (read from Redis, or where this router routed the session's
+        # last call): under heavy load a Redis answer can be slow, and a failed lookup must not
+        # send a turn away from its cache, a session's first follow-up included.
         self._owners: OrderedDict[str, str] = OrderedDict()
         self.prefix = prefix
         self.overload_queue_len = overload_queue_len
@@ -73,6 +79,9 @@ class AffinityRouter(RequestRouter):
         return [[r] for r in ranked] or [candidate_replicas]
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
+        key = pending_request.metadata.session_id or ""
+        if self.affinity and "/" in key:  # where the session's KV will be once this call commits
+            self._remember(key, replica_id.unique_id)
         if getattr(pending_request.routing_context, "placing", False):
             self._placed.setdefault(replica_id.unique_id, deque()).append(time.monotonic())
 
@@ -83,11 +92,15 @@ class AffinityRouter(RequestRouter):
         except Exception as exc:  # Redis slow or down: the last owner seen, else route by load
             log.warning("affinity router: owner lookup failed (%s); using the last known owner", exc)
             return self._owners.get(key, "")
+        if owner:  # none yet (a session being opened): keep where its open was routed
+            self._remember(key, owner)
+        return owner
+
+    def _remember(self, key: str, owner: str) -> None:
         self._owners[key] = owner
         self._owners.move_to_end(key)
         while len(self._owners) > OWNER_CACHE_SIZE:
             self._owners.popitem(last=False)
-        return owner
 
     def _queue_len(self, replica) -> int:
         cached = self.replica_queue_len_cache.get(replica.replica_id)
