@@ -24,10 +24,6 @@ from kvsnap.service.config import ray_environment
 # The Ray Serve data path `kvsnap serve` uses, set before anything imports Ray (Serve reads it at
 # import, in this process too); a phase process started with these variables set keeps its own.
 ray_environment()
-# Serve's controller gives a starting proxy actor 5 s per readiness check and kills it after three
-# misses (its Python start and HAProxy's take longer than that on 2 busy cores), and serve.start
-# then fails with ActorDiedError. A phase's local Ray waits as long as it takes instead.
-os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 
 KEY = "bench-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}

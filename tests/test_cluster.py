@@ -59,13 +59,13 @@ def test_ray_environment_sets_the_data_path_unless_told_otherwise(monkeypatch):
     import importlib.util
     import os
 
-    from kvsnap.service.config import AUTO_PORTS_ENV, FAST_PATH_ENV, HAPROXY_PORT_ENV, ray_environment
+    from kvsnap.service.config import AUTO_PORTS_ENV, FAST_PATH_ENV, HAPROXY_PORT_ENV, STARTUP_ENV, ray_environment
 
-    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV, AUTO_PORTS_ENV):
+    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV, AUTO_PORTS_ENV, *STARTUP_ENV):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # the user's own setting wins
     monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
-    assert ray_environment(fast_path=False) == {}
+    assert ray_environment(fast_path=False) == STARTUP_ENV  # a starting proxy's allowance, whatever the path
     assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in os.environ
     added = ray_environment()
     metrics_port = added.pop("RAY_SERVE_HAPROXY_METRICS_PORT")  # a free one: a second local service can start
