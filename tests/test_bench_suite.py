@@ -45,12 +45,9 @@ def test_small_suite_measures_every_gain(tmp_path):
         assert len(v["samples"]["held_ttft_s"]) == r["args"]["reps"]
         assert v["speedup"] == pytest.approx(v["reprefill_ttft_s"] / v["held_ttft_s"])
         assert len(set(v["samples"]["held_ttft_s"] + v["samples"]["reprefill_ttft_s"])) > 1  # measured, not set
-    # re-prefilling grows with the transcript; a held follow-up does not. Compared on each one's
-    # fastest sample: another process on the CPU only adds time, and a median of 3 took it in
-    # (re-prefill at 512 tokens [0.29, 0.04, 0.67] s, at 2048 [0.20, 0.19, 0.44] s, beside a CPU hog)
-    fastest = [{k: min(v["samples"][k]) for k in ("held_ttft_s", "reprefill_ttft_s")} for v in resume]
-    assert fastest[-1]["reprefill_ttft_s"] > fastest[0]["reprefill_ttft_s"], [v["samples"] for v in resume]
-    assert fastest[-1]["reprefill_ttft_s"] > fastest[-1]["held_ttft_s"], resume[-1]["samples"]
+    # re-prefilling grows with the transcript; a held follow-up does not
+    assert resume[-1]["reprefill_ttft_s"] > resume[0]["reprefill_ttft_s"]
+    assert resume[-1]["speedup"] > 1
 
     c = r["concurrency"]
     full, snap = c["full"], c["snapkv"]
