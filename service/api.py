@@ -56,7 +56,8 @@ class SessionAPI:
 
         The server's defaults are the model's measured ones with the operator's over them
         (``ServiceConfig.session_defaults``); a caller who names another policy gets that
-        policy's own parameter defaults (the server's window aside), one who sizes the selection
+        policy's own parameter defaults (the server's window aside) and recompression per turn
+        unless they say otherwise, one who sizes the selection
         (budget, ratio or tau) replaces the default size (kvsnap.engine.defaults.overlay). A
         policy takes the parameters its dataclass declares (policies/). A server-default window longer than the
         first prompt shrinks to the prompt; a window the caller asked for is checked by the

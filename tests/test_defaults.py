@@ -31,8 +31,11 @@ def test_layers_overlay_the_size_and_the_policy_as_a_whole():
     assert overlay(model, {}) == model
     sized = overlay(model, {"budget": 256, "kernel": None})  # a size replaces the size; None is unset
     assert sized == {k: v for k, v in model.items() if k != "ratio"} | {"budget": 256}
-    # another policy keeps only the window and recompress from below: snapkv's own kernel and budget
+    # another policy keeps only the window from below: snapkv's own kernel and budget, per turn
     assert overlay(model, {"policy": "snapkv"}) == {"policy": "snapkv", "window": 32, "recompress": "per_turn"}
+    reselecting = {"policy": "snapkv", "budget": 512, "recompress": "reselect", "spans": True}
+    assert overlay(reselecting, {"policy": "kvzip"}) == {"policy": "kvzip", "recompress": "per_turn"}  # not a 400
+    assert overlay(reselecting, {"budget": 64})["recompress"] == "reselect"  # the same policy: its defaults
     assert overlay(model, {"tau": -4.0})["tau"] == -4.0 and "ratio" not in overlay(model, {"tau": -4.0})
 
 

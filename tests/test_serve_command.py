@@ -18,6 +18,7 @@ import psutil
 import pytest
 import requests
 
+from kvsnap.engine.defaults import default_settings
 from kvsnap.engine.models import tokenizer_for
 
 pytestmark = pytest.mark.slow
@@ -78,6 +79,9 @@ def test_kvsnap_serve_from_a_fresh_directory_answers_and_stops_cleanly(tmp_path)
             timeout=120,
         )
         assert made.status_code == 201, made.text
+        defaults = default_settings("gemma3-270m")  # no settings given: the model's measured defaults
+        assert made.json()["policy"].startswith(f"{defaults['policy']}("), made.json()
+        assert all(f"{k}={v}" in made.json()["policy"] for k, v in defaults.items() if k in ("ratio", "spans"))
         answer = requests.post(
             "http://127.0.0.1:8000/v1/sessions/readme/turns",
             json={"message": "What is the code of the blue door?", "max_tokens": 48},

@@ -77,8 +77,9 @@ def add_eval_parser(sub) -> None:
         "--tasks",
         type=csv(str),
         default=None,
-        help="passkey,multikey,multiturn (the default); docfirst (the document alone first, then one question "
-        "per key) and longgen (long generation), in-process only",
+        help="passkey,multikey,multiturn (the default); facts (varied prose stating facts once, asked one per "
+        "turn over the chat template: the task the defaults are chosen by; --keys facts per document); docfirst "
+        "(the document alone first, then one question per key) and longgen (long generation), in-process only",
     )
     ev.add_argument("--lengths", type=csv(int), default=None, help="document tokens (default 1024,2048,4096)")
     ev.add_argument("--depths", type=csv(float), default=None, help="pass-key depths (default 0.1,0.5,0.9)")
@@ -90,7 +91,8 @@ def add_eval_parser(sub) -> None:
         "(SnapKV re-selecting from the full cache each turn), h2o:B, scissorhands:B; +h2o:D, "
         "+scissorhands:D or +streaming:D evict while decoding (e.g. snapkv:256+h2o:128); @kivi2 / @kivi4 "
         "quantize the KV between turns; kvzip:B, kvzap:B (query-agnostic). Each holds B (D) + window rows; "
-        "a budget may be r<share> of the prefix (snapkv:r0.33) or, for kvzip/kvzap, t<log score> (kvzap:t-4)",
+        "a budget may be r<share> of the prefix (snapkv:r0.33) or, for kvzip/kvzap, t<log score> (kvzap:t-4); "
+        "/k<n> sets the pooling kernel, /s keeps sentence spans whole (snapkv:r0.5/s); default: the model's defaults",
     )
     ev.add_argument("--keys", type=int, default=None, help="keys planted for multikey / multiturn (default 4)")
     ev.add_argument("--seeds", type=int, default=None, help="documents per length (default 2)")
