@@ -29,7 +29,8 @@ def cmd_chat(args) -> int:
         raise SystemExit("kvsnap chat: pass --api-key or set KVSNAP_API_KEY (kvsnap serve prints one)")
     with open(args.document, encoding="utf-8") as fh:
         document = fh.read()
-    settings = {"policy": args.policy, "budget": args.budget, "window": args.window}
+    given = {"policy": args.policy, "budget": args.budget, "window": args.window}
+    settings = {k: v for k, v in given.items() if v is not None}  # the rest: the model's defaults
     print(f"prefilling the document ({len(document)} characters)...", flush=True)
     state = json.loads(
         _http("POST", f"{args.url}/v1/sessions", key, {"document": document, "settings": settings}).read()

@@ -204,9 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("document", help="file whose text opens the session")
     chat.add_argument("--url", default="http://127.0.0.1:8000")
     chat.add_argument("--api-key", default=None, help="or KVSNAP_API_KEY")
-    chat.add_argument("--policy", default="snapkv")
-    chat.add_argument("--budget", type=int, default=512)
-    chat.add_argument("--window", type=int, default=32)
+    chat.add_argument("--policy", default=None, help="default: the model's measured defaults (README)")
+    chat.add_argument("--budget", type=int, default=None)
+    chat.add_argument("--window", type=int, default=None)
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.set_defaults(func=_lazy("chat", "cmd_chat"))
 
