@@ -52,7 +52,7 @@ class EmbeddedRedis:
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
+    def start(self, timeout: float = 30.0) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             redis_server_binary(),
