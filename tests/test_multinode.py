@@ -157,7 +157,7 @@ class MultiNode:
         self.cluster.run_driver(DEPLOY, {"MN_CONFIG": json.dumps(serve_config(self.args, workers))}, timeout_s=300)
         return time.monotonic() - began
 
-    def wait_for_workers(self, count: int, timeout_s: float = 120) -> float:
+    def wait_for_workers(self, count: int, timeout_s: float = 300) -> float:
         live = ",".join(n.node_id for n in self.cluster.nodes.values() if n.alive)
         env = {"MN_COUNT": str(count), "MN_NODES": live, "MN_TIMEOUT": str(timeout_s)}
         out = self.cluster.run_driver(WAIT_FOR_WORKERS, env)
