@@ -160,7 +160,7 @@ class MultiNode:
     def wait_for_workers(self, count: int, timeout_s: float = 300) -> float:
         live = ",".join(n.node_id for n in self.cluster.nodes.values() if n.alive)
         env = {"MN_COUNT": str(count), "MN_NODES": live, "MN_TIMEOUT": str(timeout_s)}
-        out = self.cluster.run_driver(WAIT_FOR_WORKERS, env)
+        out = self.cluster.run_driver(WAIT_FOR_WORKERS, env, timeout_s=timeout_s + 60)
         ok, took = out.split()[-2:]
         assert ok == "True", f"Serve did not run {count} worker replicas within {timeout_s} s"
         return float(took)
