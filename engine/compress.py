@@ -71,9 +71,13 @@ class Compression:
                 if positions.shape[-1] < layer.kept_len:
                     layer.keep(positions)
             return
+        by_old: dict[int, torch.Tensor | None] = {}  # span ids by rows kept from earlier turns
         for idx in captured.layers:
             layer: CompressedLayer = session.cache.layers[idx]
-            spans = self.row_spans(session.policy, new, old_rows=layer.kept_len - len(new))
+            old_rows = layer.kept_len - len(new)
+            if old_rows not in by_old:  # the same for every layer that kept as many rows: cut once
+                by_old[old_rows] = self.row_spans(session.policy, new, old_rows=old_rows)
+            spans = by_old[old_rows]
             scale = captured.scales.get(idx)
             positions = session.policy.select(
                 captured.queries[idx], layer.keys, scale, logical_len=session.logical_len, spans=spans
