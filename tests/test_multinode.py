@@ -114,12 +114,13 @@ began = time.monotonic()
 while time.monotonic() - began < float(os.environ["MN_TIMEOUT"]):
     details = ServeInstanceDetails(**client.get_serve_details())
     replicas = details.applications["kvsnap"].deployments["Worker"].replicas
+    seen = sorted((r.state, r.node_id in nodes) for r in replicas)
     if len(replicas) == count and all(r.state == "RUNNING" and r.node_id in nodes for r in replicas):
-        print(True, time.monotonic() - began)
+        print("MN_WAIT", True, time.monotonic() - began, flush=True)
         break
     time.sleep(0.25)
 else:
-    print(False, time.monotonic() - began)
+    print("MN_WAIT", False, time.monotonic() - began, "last seen (state, on a live node):", seen, flush=True)
 """
 
 
@@ -161,8 +162,11 @@ class MultiNode:
         live = ",".join(n.node_id for n in self.cluster.nodes.values() if n.alive)
         env = {"MN_COUNT": str(count), "MN_NODES": live, "MN_TIMEOUT": str(timeout_s)}
         out = self.cluster.run_driver(WAIT_FOR_WORKERS, env, timeout_s=timeout_s + 60)
-        ok, took = out.split()[-2:]
-        assert ok == "True", f"Serve did not run {count} worker replicas within {timeout_s} s"
+        # Ray may write to the driver's stdout too (a warning at exit): read the tagged line only
+        tagged = [line.split() for line in out.splitlines() if line.startswith("MN_WAIT ")]
+        assert tagged, f"the driver that waits for the workers printed no result:\n{out[-2000:]}"
+        ok, took = tagged[-1][1:3]
+        assert ok == "True", f"Serve did not run {count} worker replicas within {timeout_s} s: {out[-2000:]}"
         return float(took)
 
     def worker_nodes(self) -> dict[str, str]:
