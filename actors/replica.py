@@ -102,7 +102,7 @@ class WorkerReplica:
         cfg.load_policy_modules()  # sessions of those policies may be rebuilt here
         torch.set_num_threads(max(1, int(cfg.cpus_per_replica)))
         self.worker_id = serve.get_replica_context().replica_id.unique_id
-        loaded = load_model(cfg.model, gguf_file=cfg.gguf_file)
+        loaded = load_model(cfg.model, gguf_file=cfg.gguf_file, dtype=cfg.dtype)
         engine = Engine(loaded, prefill_chunk=cfg.prefill_chunk, greedy_screen=cfg.greedy_screen)
         directory = SessionDirectory(redis_url, session_ttl_s=cfg.session_ttl_s)
         disk_dir = str(Path(cfg.data_dir) / "disk" / self.worker_id) if cfg.disk_tier_mib else None
@@ -118,7 +118,8 @@ class WorkerReplica:
         self.worker = Worker(engine, directory, store, self.worker_id, max_batch=cfg.max_batch)
         self.worker.start_heartbeat(interval_s=2.0)
         self.ongoing = 0
-        log.info("worker %s ready: %s on %s (pid %d)", self.worker_id, cfg.model, loaded.device, os.getpid())
+        pid = os.getpid()
+        log.info("worker %s ready: %s on %s, %s (pid %d)", self.worker_id, cfg.model, loaded.device, loaded.dtype, pid)
 
     # Ray Serve calls this periodically; the affinity router reads it from each replica. Async, so
     # it answers from the replica's event loop even while every request thread is busy.

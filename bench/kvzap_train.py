@@ -49,7 +49,7 @@ def main() -> None:
     nets, report = train(engine, train_set, test_set, args.epochs)
     train_s = time.perf_counter() - t0
     WEIGHTS.mkdir(exist_ok=True)
-    meta = {"model": args.model, "fingerprint": engine.loaded.fingerprint, "texts": str(args.texts)}
+    meta = {"model": args.model, "fingerprint": engine.loaded.weights, "texts": str(args.texts)}
     for kind, net in nets.items():
         net.save(weights_path(args.model, kind), meta | {"kind": kind})
     out = Path(args.out or ROOT / "docs" / "results" / f"kvzap_train_{args.model}.json")

@@ -128,7 +128,7 @@ class Compression:
                 raise InvalidArgument(
                     f"no KVzap {kind} surrogate for model {self.loaded.name!r} ({path.name}); {train}"
                 )
-            if trained_for(path) != self.loaded.fingerprint:
+            if trained_for(path) != self.loaded.weights:
                 raise InvalidArgument(f"the KVzap {kind} surrogate {path.name} was trained on another model; {train}")
             text = self.model.config.get_text_config()
             net = Surrogate.load(path, self.full_layers, text.hidden_size, text.num_key_value_heads, kind)

@@ -15,8 +15,11 @@ exact one (``screen``, on by default where it pays: :func:`screen_pays`):
    bound on the first pass's error (for bf16: inputs rounded to 8 significant bits, fp32
    accumulation, output rounded to 8 bits; doubled for safety). On Gemma 3 270M a row has
    one candidate in the median and a few hundred at worst after the bf16 pass.
-3. **Exact**: the candidates' logits recomputed in float64 from the fp32 weights and hidden
+3. **Exact**: the candidates' logits recomputed in float64 from the head's weights and hidden
    state, softcapped as the model does.
+
+A bfloat16 model's head is its own first pass (no copy) whatever the number of rows, and its
+exact logits are those of its bf16 weights and hidden state, computed in float64.
 
 Either way a greedy row's argmax is the argmax of the exact logits, whatever the batch and
 whichever tokens passed the screen, so a greedy session's tokens do not depend on the rows it
@@ -47,8 +50,10 @@ class LMHead:
         self.screen = bool(screen) and self.bias is None  # the bound knows no bias
         if self.screen:
             weight = self.weight.detach()
-            self.weight_bf16 = weight.to(torch.bfloat16)
-            self.row_norms = weight.norm(dim=1)  # |w_v . h| <= |w_v| |h|
+            # a bf16 head is its own first pass; an fp32 one gets a bf16 copy
+            self.weight_bf16 = weight if weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16)
+            # |w_v . h| <= |w_v| |h|; in chunks: no fp32 copy of a bf16 head
+            self.row_norms = torch.cat([w.float().norm(dim=1) for w in weight.split(EXACT_CHUNK)])
             self.norm_max = float(self.row_norms.max())
             # per-product error (both inputs rounded) plus fp32 accumulation over D terms
             self.product_error = 2 * _U + _U * _U + 2 * weight.shape[1] * 2.0**-24
@@ -81,7 +86,7 @@ class LMHead:
         candidates' exact values, and elsewhere a first pass's values (fp32 for fewer than
         :data:`SCREEN_MIN_ROWS` rows) or -inf (the bf16 screen)."""
         hidden = hidden.float()
-        if hidden.shape[0] < SCREEN_MIN_ROWS:  # fp32 costs no more here (the bf16 kernel is no faster)
+        if hidden.shape[0] < SCREEN_MIN_ROWS and self.weight.dtype == torch.float32:  # as fast as bf16 here
             raw = self._raw(hidden).contiguous()  # [G, V] (the product is [V, G])
             rows, cols = self._candidates(raw, hidden, _FP32 * hidden.shape[1], _FP32)
             logits = self._cap(raw).float()
@@ -127,12 +132,16 @@ class LMHead:
 
 
 def screen_pays(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """The screen's default: an fp32 head on a CPU with oneDNN bfloat16 kernels, large enough
-    (:data:`SCREEN_MIN_WEIGHTS`) for its cost to matter, and no bias (every LM we embed)."""
+    """The screen's default: a head large enough (:data:`SCREEN_MIN_WEIGHTS`) for its cost to
+    matter, without a bias (every LM we embed), either in bfloat16 (a bf16 model: the screen is
+    what makes its greedy tokens independent of the batch, at the cost of the candidates'
+    recompute) or in fp32 on a CPU with oneDNN bfloat16 kernels."""
+    if bias is not None or weight.numel() < SCREEN_MIN_WEIGHTS:
+        return False
+    if weight.dtype == torch.bfloat16:
+        return True
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.float32
-        and bias is None
-        and weight.numel() >= SCREEN_MIN_WEIGHTS
         and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )

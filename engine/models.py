@@ -8,6 +8,7 @@ eval mode, on CUDA when present, else CPU.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -50,11 +51,21 @@ class LoadedModel:
     tokenizer: object  # HF tokenizer or ByteTokenizer: encode(text, add_special_tokens) / decode(ids)
     name: str
     device: torch.device
-    fingerprint: str  # identifies the weights: a session's KV is only valid on the same fingerprint
+    weights: str  # identifies the weights, whatever dtype they run in (what a KVzap surrogate is trained for)
+
+    @property
+    def fingerprint(self) -> str:
+        """The weights and the dtype: a session's KV is only valid on the same fingerprint (float32's
+        is the weights' own, as before dtypes were chosen)."""
+        return self.weights if self.dtype == torch.float32 else f"{self.weights}-{dtype_name(self.dtype)}"
 
     @property
     def config(self):
         return self.model.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -70,27 +81,67 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def fast_dtype(device: torch.device) -> torch.dtype:
+    """The dtype ``device`` computes fastest: bfloat16 on CUDA with bf16 support and on CPUs with
+    AMX or AVX-512 BF16 (a 2K prefill 3-4x faster than float32 there, BENCHMARKS "Compute
+    dtype"), float32 elsewhere (a CPU without bf16 instructions emulates it, slower than fp32)."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device.type == "cpu" and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
+        return torch.bfloat16
+    return torch.float32
+
+
+def resolve_dtype(choice: str | torch.dtype | None, device: torch.device, *, tiny: bool = False) -> torch.dtype:
+    """``choice`` (``auto``, ``bfloat16``, ``float32``, a torch dtype, or None = auto) on ``device``.
+    ``auto`` is :func:`fast_dtype`, except for the tiny test presets: float32, the dtype whose
+    exactness invariants the tests hold at tight tolerances (they ask for bfloat16 by name).
+    None keeps the service's default so far: bfloat16 on CUDA, float32 elsewhere (the measured
+    defaults and the quality results were taken in float32 on CPU; ``auto`` becomes the default
+    once they are measured again in bfloat16)."""
+    if isinstance(choice, torch.dtype):
+        if choice not in DTYPES.values():
+            raise InvalidArgument(f"dtype {choice} is not supported; choose one of {', '.join(DTYPE_CHOICES)}")
+        return choice
+    if choice is None:
+        return torch.bfloat16 if device.type == "cuda" and not tiny else torch.float32
+    if choice == "auto":
+        return torch.float32 if tiny else fast_dtype(device)
+    if choice not in DTYPES:
+        raise InvalidArgument(f"unknown dtype {choice!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    return DTYPES[choice]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def load_model(
     name: str = DEFAULT_MODEL,
     *,
     gguf_file: str | None = None,
     device: str | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: str | torch.dtype | None = None,
 ) -> LoadedModel:
     """Load ``name``: an embedded model (``gemma3-270m``, ``smollm2-135m``), a tiny preset, an HF
-    model id or a local path.
+    model id or a local path, in ``dtype`` (:func:`resolve_dtype`: ``auto`` is the device's fast
+    one, None float32 on CPU; weights, activations and KV all take it).
 
     ``gguf_file`` names a GGUF file inside the ``name`` directory (transformers' ``gguf_file=``).
     """
     dev = torch.device(device) if device else default_device()
+    dtype = resolve_dtype(dtype, dev, tiny=name in TINY_PRESETS)
     attn = capture.register()
     if name in TINY_PRESETS:
-        return _tiny(name, dev, attn)
+        return _tiny(name, dev, attn, dtype)
     if name in EMBEDDED:
         path, gguf_file = EMBEDDED[name]()
     else:
         path = name
-    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
@@ -101,7 +152,7 @@ def load_model(
     return LoadedModel(model, tokenizer, name, dev, _fingerprint(name, gguf_file, model))
 
 
-def _tiny(name: str, dev: torch.device, attn: str) -> LoadedModel:
+def _tiny(name: str, dev: torch.device, attn: str, dtype: torch.dtype) -> LoadedModel:
     common = dict(
         vocab_size=320,
         hidden_size=64,
@@ -130,7 +181,7 @@ def _tiny(name: str, dev: torch.device, attn: str) -> LoadedModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
-    model.to(dev).eval()
+    model.to(dev, dtype).eval()  # the same random weights in either dtype (drawn in float32)
     return LoadedModel(model, ByteTokenizer(), name, dev, f"{name}-seed0")
 
 
@@ -208,7 +259,9 @@ def _converted(gguf: Path, target: Path) -> str:
 
 
 def _fingerprint(name: str, gguf_file: str | None, model: torch.nn.Module) -> str:
-    digest = hashlib.sha256(f"{name}|{gguf_file}|{model.config.to_json_string()}".encode()).hexdigest()
+    config = copy.deepcopy(model.config)
+    config.dtype = torch.float32  # the weights' own (converted to float32), whatever dtype they run in
+    digest = hashlib.sha256(f"{name}|{gguf_file}|{config.to_json_string()}".encode()).hexdigest()
     return f"{Path(name).name}-{digest[:12]}"
 
 

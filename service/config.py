@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import secrets
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -37,6 +37,11 @@ class ServiceConfig(BaseModel):
         "gemma3-270m", description="gemma3-270m or smollm2-135m (embedded), tiny-llama, tiny-gemma3, HF id or path"
     )
     gguf_file: str | None = Field(None, description="GGUF file name inside the model directory")
+    dtype: Literal["auto", "bfloat16", "float32"] | None = Field(
+        None,
+        description="weights, activations and KV: auto = the device's fast dtype (bfloat16 on CUDA and on CPUs "
+        "with AMX / AVX-512 BF16); unset: bfloat16 on CUDA, float32 on CPU",
+    )
     replicas: int = Field(2, ge=1, description="worker replicas (one model each)")
     cpus_per_replica: float = Field(1.0, gt=0, description="CPUs per worker replica; torch threads follow it")
     gpus_per_replica: float = Field(-1, description="GPUs per worker replica; -1 = 1 when CUDA is present, else 0")

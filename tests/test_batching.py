@@ -104,17 +104,22 @@ def assert_same_cache(a, b, tol: float = 1e-5) -> None:
         torch.testing.assert_close(la.values, lb.values, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("screen", [False, True], ids=["fp32-head", "greedy-screen"])
+@pytest.mark.parametrize("screen", [False, True, "bf16"], ids=["fp32-head", "greedy-screen", "bf16-model"])
 def test_every_session_in_a_batch_gets_the_tokens_it_gets_alone(tiny_engine, screen, monkeypatch):
     """With the greedy screen (engine/head.py) forced on, a step with 2 or more greedy rows (6 in
     service) takes the bf16 first pass while the same session alone takes the fp32 one: the
-    tokens are equal."""
-    from kvsnap.engine import Engine
+    tokens are equal. A bfloat16 model (weights, activations and KV) keeps the invariant: its
+    head is its own bf16 first pass, batched or alone."""
+    from kvsnap.engine import Engine, load_model
 
     monkeypatch.setattr("kvsnap.engine.head.SCREEN_MIN_ROWS", 2)
 
-    engine = tiny_engine if not screen else Engine(tiny_engine.loaded, prefill_chunk=16, greedy_screen=True)
-    assert engine.head.screen == screen
+    if screen == "bf16":
+        engine = Engine(load_model(tiny_engine.loaded.name, dtype="bfloat16"), prefill_chunk=16, greedy_screen=True)
+        assert engine.model.dtype == torch.bfloat16
+    else:
+        engine = tiny_engine if not screen else Engine(tiny_engine.loaded, prefill_chunk=16, greedy_screen=True)
+    assert engine.head.screen == bool(screen)
     passes = first_passes(engine, monkeypatch)
     scheduler = Scheduler(engine, threading.RLock(), max_batch=16, step_tokens=4 * engine.prefill_chunk, start=False)
     docs = [random_tokens(p.doc_len, seed=300 + i) for i, p in enumerate(PLANS)]
@@ -144,8 +149,11 @@ def test_every_session_in_a_batch_gets_the_tokens_it_gets_alone(tiny_engine, scr
         assert [first[i], second[i]] == want, f"session {i} ({plan.policy}) differs from its run alone"
         assert sessions[i].logical_len == alone.logical_len and sessions[i].transcript == alone.transcript
         assert [m.to_list() for m in sessions[i].marks] == [m.to_list() for m in alone.marks]
-        assert_same_cache(sessions[i], alone)
-    assert passes == ({torch.bfloat16, torch.float32} if screen else set())  # batched: bf16; alone: fp32
+        assert_same_cache(sessions[i], alone, tol=1e-5 if screen != "bf16" else 2e-2)
+    if screen == "bf16":
+        assert sessions[0].cache.layers[0].keys.dtype == torch.bfloat16  # the KV takes the model's dtype
+    want_passes = {"bf16": {torch.bfloat16}, True: {torch.bfloat16, torch.float32}, False: set()}[screen]
+    assert passes == want_passes  # fp32 model, batched: bf16; alone: fp32
 
 
 def first_passes(engine, monkeypatch) -> set:

@@ -96,7 +96,8 @@ def test_the_screen_is_off_where_it_cannot_pay_or_cannot_bound():
     small = torch.randn(300, 32)
     assert not screen_pays(small, None)  # a tiny head: fp32 is cheap
     assert not screen_pays(torch.randn(1 << 16, 64), torch.zeros(1 << 16))  # a bias: the bound knows none
-    assert not screen_pays(torch.randn(1 << 16, 64).bfloat16(), None)  # not an fp32 head
+    assert not screen_pays(torch.randn(1 << 16, 64).half(), None)  # neither an fp32 nor a bf16 head
+    assert screen_pays(torch.randn(1 << 16, 64).bfloat16(), None)  # a bf16 model's head: its own first pass
     linear = torch.nn.Linear(32, 300, bias=True)
     model = Head(small)
     model.lm_head = linear
@@ -124,3 +125,16 @@ def test_gemma_greedy_argmax_equals_the_exact_one_for_real_hidden_states(gemma_e
     for rows in (1, SCREEN_MIN_ROWS, len(states)):
         got = [int(i) for part in states.split(rows) for i in engine.head(part, [True] * len(part)).argmax(-1)]
         assert got == want, rows
+
+
+def test_a_bf16_head_gives_the_exact_argmax_of_its_own_weights():
+    """A bfloat16 model's head is its own first pass (no copy), for any number of rows; the
+    greedy argmax is that of its bf16 weights and hidden state computed in float64."""
+    torch.manual_seed(3)
+    weight = torch.randn(1 << 16, 64).bfloat16()
+    head = LMHead(Head(weight), None, screen=True)
+    assert head.screen and head.weight_bf16.data_ptr() == head.weight.data_ptr()  # no copy
+    for rows in (1, 2, 8):
+        hidden = torch.randn(rows, 64).bfloat16()
+        exact = (weight.double() @ hidden.double().T).T
+        assert head(hidden, [True] * rows).argmax(-1).tolist() == exact.argmax(-1).tolist()

@@ -25,6 +25,8 @@ from kvsnap.errors import KvsnapError
 from . import clients
 from .eval_cli import add_eval_parser
 
+DTYPES = ("auto", "bfloat16", "float32")  # engine/models.py DTYPE_CHOICES (the CLI does not import torch to parse)
+
 # Where the CLI's defaults differ from the policies' own (kvsnap generate has always used these).
 CLI_POLICY_DEFAULTS = {"budget": 256, "window": 32}
 
@@ -80,7 +82,7 @@ def cmd_generate(args) -> int:
         flush=True,
     )
     started = time.perf_counter()
-    loaded = load_model(args.model, gguf_file=args.gguf_file, device=args.device)
+    loaded = load_model(args.model, gguf_file=args.gguf_file, device=args.device, dtype=args.dtype)
     print(f"loaded in {time.perf_counter() - started:.1f}s on {loaded.device}", file=sys.stderr)
     engine = Engine(loaded, prefill_chunk=args.prefill_chunk)
 
@@ -172,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--gguf-file", default=None, help="GGUF file name inside --model's directory")
     gen.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
+    gen.add_argument("--dtype", default=None, choices=DTYPES, help="default: bfloat16 on CUDA, float32 on CPU")
     gen.add_argument("--prompt", default=None, help="prompt text (default: a generated pass-key document)")
     gen.add_argument("--prompt-file", default=None, help="read the prompt from this file")
     gen.add_argument("--context-tokens", type=int, default=1500, help="length of the default pass-key prompt")
@@ -188,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=None, help="default gemma3-270m (or KVSNAP_MODEL); smollm2-135m: the embedded chat model"
     )
     srv.add_argument("--replicas", type=int, default=None, help="worker replicas (default 2)")
+    srv.add_argument(
+        "--dtype", default=None, choices=DTYPES, help="auto: the device's fast one; default: float32 on CPU"
+    )
     srv.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     srv.add_argument("--http-port", type=int, default=None, help="default 8000")
     srv.add_argument("--grpc-port", type=int, default=None, help="default 9000; 0 disables gRPC")

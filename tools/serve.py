@@ -24,6 +24,7 @@ def cmd_serve(args) -> int:
         "http_host": args.host,
         "data_dir": args.data_dir,
         "kv_quant": args.kv_quant,
+        "dtype": args.dtype,
     }
     cfg, generated_key = ServiceConfig.from_env(**overrides).with_generated_key()
     redis_url, embedded = redis_url_or_embedded(Path(cfg.data_dir) / "redis")
