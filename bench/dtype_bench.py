@@ -1,0 +1,80 @@
+"""float32 against bfloat16, side by side in one run, on both embedded models (issue 27, item 1):
+a 2K-token prefill, one decode step of one session, and the KV one session of 2K tokens holds
+(full KV, as the tiers count it), so sessions resident per GiB. In-process (``Engine``), the
+threads a replica gets (``--threads``), each measurement the best of ``--reps``.
+
+    .venv/bin/python bench/dtype_bench.py --out docs/results/dtype_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from kvsnap.engine import Engine, SamplingParams, load_model
+from kvsnap.policies import make_policy
+
+DOC = " ".join(f"Note {i}: the shipment for depot {i} left on time and arrived the next morning." for i in range(200))
+
+
+def best(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return min(times)
+
+
+def measure(model: str, dtype: str, tokens: int, reps: int) -> dict:
+    engine = Engine(load_model(model, dtype=dtype), prefill_chunk=1024)
+    doc = engine.encode(DOC)[:tokens]
+    assert len(doc) == tokens, f"the bench document has {len(doc)} tokens, fewer than {tokens}"
+    engine.prefill(engine.new_session(make_policy("full")), doc[:256])  # warm-up
+    prefill_s = best(lambda: engine.prefill(engine.new_session(make_policy("full")), doc), reps)
+    session = engine.new_session(make_policy("full"))
+    engine.turn(session, doc, SamplingParams(max_new_tokens=1))
+    steps = 16
+    sampling = SamplingParams(max_new_tokens=steps, ignore_eos=True)
+    decode_s = best(lambda: engine.turn(session, engine.encode(" Go on.", first=False), sampling), reps) / steps
+    kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in session.cache.layers)
+    kv_per_token = kv / session.logical_len
+    return {
+        "prefill_s": round(prefill_s, 3),
+        "prefill_tokens_per_s": round(tokens / prefill_s, 1),
+        "decode_step_ms": round(decode_s * 1000, 1),
+        "kv_bytes_per_2k_session": int(kv_per_token * tokens),
+        "sessions_per_gib_at_2k": round((1 << 30) / (kv_per_token * tokens), 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="gemma3-270m,smollm2-135m")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    report = {"tokens": args.tokens, "threads": args.threads, "torch": torch.__version__, "models": {}}
+    for model in args.models.split(","):
+        rows = {dtype: measure(model, dtype, args.tokens, args.reps) for dtype in ("float32", "bfloat16")}
+        f, b = rows["float32"], rows["bfloat16"]
+        rows["bf16_vs_fp32"] = {
+            "prefill_speedup": round(f["prefill_s"] / b["prefill_s"], 2),
+            "decode_step_speedup": round(f["decode_step_ms"] / b["decode_step_ms"], 2),
+            "sessions_per_gib": round(b["sessions_per_gib_at_2k"] / f["sessions_per_gib_at_2k"], 2),
+        }
+        report["models"][model] = rows
+        print(model, json.dumps(rows), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
