@@ -87,7 +87,7 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 
 def fast_dtype(device: torch.device) -> torch.dtype:
     """The dtype ``device`` computes fastest: bfloat16 on CUDA with bf16 support and on CPUs with
-    AMX or AVX-512 BF16 (a 2K prefill 3-4x faster than float32 there, BENCHMARKS "Compute
+    AMX or AVX-512 BF16 (a 2K prefill about 2x faster than float32 there, BENCHMARKS "Compute
     dtype"), float32 elsewhere (a CPU without bf16 instructions emulates it, slower than fp32)."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
@@ -97,7 +97,7 @@ def fast_dtype(device: torch.device) -> torch.dtype:
 
 
 def resolve_dtype(choice: str | torch.dtype | None, device: torch.device, *, tiny: bool = False) -> torch.dtype:
-    """``choice`` (``auto``, ``bfloat16``, ``float32``, a torch dtype, or None = auto) on ``device``.
+    """``choice`` (``auto``, ``bfloat16``, ``float32``, a torch dtype, or None) on ``device``.
     ``auto`` is :func:`fast_dtype`, except for the tiny test presets: float32, the dtype whose
     exactness invariants the tests hold at tight tolerances (they ask for bfloat16 by name).
     None keeps the service's default so far: bfloat16 on CUDA, float32 elsewhere (the measured
