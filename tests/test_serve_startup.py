@@ -53,3 +53,16 @@ def test_serve_shows_each_replicas_start_error_and_exits_non_zero(tmp_path):
     assert all(INSTALL in line for line in failed), out
     assert "kvsnap is serving" not in done.stdout
     assert "Traceback" not in done.stderr.split("did not start")[-1], out  # the reasons, not Ray's traceback
+
+
+def test_kvsnap_serve_shares_the_machines_cores_among_its_replicas(monkeypatch, capsys):
+    from kvsnap.service.config import ServiceConfig
+    from kvsnap.tools.serve import _share_the_cores
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("KVSNAP_CPUS_PER_REPLICA", raising=False)
+    assert _share_the_cores(ServiceConfig(replicas=1)).cpus_per_replica == cores
+    assert _share_the_cores(ServiceConfig(replicas=cores + 1)).cpus_per_replica == 1  # never below one
+    assert f"1 replica(s), {cores} CPU(s) each" in capsys.readouterr().out
+    monkeypatch.setenv("KVSNAP_CPUS_PER_REPLICA", "3")  # the operator's number stands
+    assert _share_the_cores(ServiceConfig.from_env(replicas=1)).cpus_per_replica == 3

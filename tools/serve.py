@@ -27,6 +27,7 @@ def cmd_serve(args) -> int:
         "dtype": args.dtype,
     }
     cfg, generated_key = ServiceConfig.from_env(**overrides).with_generated_key()
+    cfg = _share_the_cores(cfg)
     redis_url, embedded = redis_url_or_embedded(Path(cfg.data_dir) / "redis")
     print(f"redis: {'embedded at ' + redis_url if embedded else 'KVSNAP_REDIS_URL'}", flush=True)
     ray_environment(cfg.fast_path)  # before Ray is imported
@@ -71,6 +72,19 @@ def cmd_serve(args) -> int:
         if embedded:
             embedded.stop()
     return 0
+
+
+def _share_the_cores(cfg):
+    """On one machine the replicas share its cores (torch threads follow ``cpus_per_replica``):
+    unless ``KVSNAP_CPUS_PER_REPLICA`` says otherwise, each gets the cores this process may run
+    on divided by the replicas (at least 1); stated at start-up."""
+    import os
+
+    if os.environ.get("KVSNAP_CPUS_PER_REPLICA") is None:
+        cores = len(os.sched_getaffinity(0))
+        cfg = cfg.model_copy(update={"cpus_per_replica": float(max(1, cores // cfg.replicas))})
+    print(f"{cfg.replicas} replica(s), {cfg.cpus_per_replica:g} CPU(s) each", flush=True)
+    return cfg
 
 
 def _serving(cfg, generated_key: str | None) -> None:
