@@ -1,6 +1,6 @@
 """float32 against bfloat16, side by side in one run, on both embedded models (issue 27, item 1):
 a 2K-token prefill, one decode step of one session, and the KV one session of 2K tokens holds
-(full KV, as the tiers count it), so sessions resident per GiB. In-process (``Engine``), the
+(full KV: the bytes of its cache tensors), so sessions resident per GiB. In-process (``Engine``), the
 threads a replica gets (``--threads``), each measurement the best of ``--reps``.
 
     .venv/bin/python bench/dtype_bench.py --out docs/results/dtype_bench.json
