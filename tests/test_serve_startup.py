@@ -66,3 +66,23 @@ def test_kvsnap_serve_shares_the_machines_cores_among_its_replicas(monkeypatch, 
     assert f"1 replica(s), {cores} CPU(s) each" in capsys.readouterr().out
     monkeypatch.setenv("KVSNAP_CPUS_PER_REPLICA", "3")  # the operator's number stands
     assert _share_the_cores(ServiceConfig.from_env(replicas=1)).cpus_per_replica == 3
+
+
+def test_the_start_up_report_waits_for_deployments_still_starting(monkeypatch):
+    """The app fails with its first failed deployment; one still starting gets its line too."""
+    from types import SimpleNamespace
+
+    from kvsnap.tools import startup
+
+    def app(ingress: str, ingress_message: str = ""):
+        worker = SimpleNamespace(status="DEPLOY_FAILED", message="failed to start. Error: Traceback\nValueError: w")
+        return SimpleNamespace(
+            deployments={"Worker": worker, "Ingress": SimpleNamespace(status=ingress, message=ingress_message)}
+        )
+
+    seq = [app("UPDATING"), app("UPDATING"), app("DEPLOY_FAILED", "failed to start. Error: x\nValueError: i")]
+    monkeypatch.setattr(startup, "_app_status", lambda name: seq.pop(0) if len(seq) > 1 else seq[0])
+    errors = startup.startup_errors(startup._settled("kvsnap", bound_s=30, poll_s=0.01))
+    assert errors == {"Worker": "ValueError: w", "Ingress": "ValueError: i"}
+    monkeypatch.setattr(startup, "_app_status", lambda name: app("UPDATING"))  # never settles: the bound ends it
+    assert set(startup.startup_errors(startup._settled("kvsnap", bound_s=0.05, poll_s=0.01))) == {"Worker"}
