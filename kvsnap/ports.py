@@ -7,10 +7,17 @@ the listener binding it (for HAProxy: the whole start of Ray, many seconds) a Ra
 connection can take it, and the listener fails with "Address already in use". So the port is
 drawn at random from below the ephemeral range and above Ray's worker ports (10002-19999 by
 default), where nothing takes a port unasked, and checked free on every interface.
+
+Nothing but Ray Serve's direct ingress: each ingress replica of every local Serve app takes
+ports of its own from fixed ranges (HTTP 30000-31000, gRPC 40000-41000 by default), so a port
+drawn there can be taken by another local service's replica before this one binds it; a client
+of this service then reaches the other one (a test suite saw its own API key refused, HTTP 401).
+Those ranges are never drawn.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import threading
@@ -28,17 +35,31 @@ def ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
         return 32768
 
 
+def serve_replica_ports() -> list[range]:
+    """The port ranges Ray Serve's direct ingress hands its replicas (its defaults, or the
+    RAY_SERVE_DIRECT_INGRESS_{MIN,MAX}_{HTTP,GRPC}_PORT it is given)."""
+    ranges = []
+    for proto, low, high in (("HTTP", 30000, 31000), ("GRPC", 40000, 41000)):
+        try:
+            low = int(os.environ.get(f"RAY_SERVE_DIRECT_INGRESS_MIN_{proto}_PORT", low))
+            high = int(os.environ.get(f"RAY_SERVE_DIRECT_INGRESS_MAX_{proto}_PORT", high))
+        except ValueError:
+            pass
+        ranges.append(range(low, high + 1))
+    return ranges
+
+
 _handed_out: set[int] = set()  # this process's draws, bound or not yet: never handed out twice
 _lock = threading.Lock()
 
 
 def free_port(tries: int = 200) -> int:
     """A port no listener holds now, outside the ephemeral range where it can be."""
-    high = ephemeral_low()
+    high, taken = ephemeral_low(), serve_replica_ports()
     with _lock:
         for _ in range(tries if high - LOW > 1000 else 0):
             port = random.randrange(LOW, high)
-            if port not in _handed_out and _bindable(port):
+            if port not in _handed_out and not any(port in r for r in taken) and _bindable(port):
                 _handed_out.add(port)
                 return port
         with socket.socket() as s:  # a machine whose ephemeral range starts low: the kernel's choice
