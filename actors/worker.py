@@ -24,6 +24,7 @@ import logging
 import threading
 
 from kvsnap.engine.engine import Engine, TurnResult, TurnStream
+from kvsnap.engine.models import dtype_name
 from kvsnap.engine.sampling import SamplingParams
 from kvsnap.engine.scheduler import Job, Scheduler
 from kvsnap.engine.session import Session
@@ -234,6 +235,8 @@ class Worker:
         return {
             "worker": self.worker_id,
             "epoch": self.epoch,
+            "device": str(self.engine.loaded.device),
+            "dtype": dtype_name(self.engine.loaded.dtype),
             "draining": self.draining,
             **self.sessions.stats(),
             "batch": self.scheduler.load,

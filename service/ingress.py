@@ -29,7 +29,7 @@ from .grpc_server import start_grpc_server
 from .metrics import Metrics
 from .openai import router as openai_router
 from .outcomes import TurnOutcome, state_view
-from .responses import api_of, current, final, sse
+from .responses import api_of, current, final, served, sse
 from .schemas import CreateSession, SessionState, Turn, TurnAnswer
 from .status import error_body, http_status, retry_after
 
@@ -140,9 +140,9 @@ def _route_label(path: str) -> str:
     return "/" + "/".join(parts)
 
 
-@app.get("/health", summary="liveness (no auth)")
-async def health():
-    return {"status": "ok"}
+@app.get("/health", summary="liveness (no auth), the model and the dtype its workers compute in")
+async def health(request: Request):
+    return {"status": "ok", **await asyncio.to_thread(served, request.app)}
 
 
 @app.get("/metrics", summary="Prometheus metrics")

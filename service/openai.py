@@ -39,7 +39,7 @@ from .matching import (
     with_empty_answers,
 )
 from .outcomes import TurnOutcome, state_view
-from .responses import api_of, current, final, sse
+from .responses import api_of, current, final, served, sse
 from .schemas import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
@@ -47,8 +47,9 @@ router = APIRouter()
 
 @router.get("/v1/models", summary="OpenAI-compatible model list")
 async def models(request: Request):
-    name = current(request.app).cfg.model
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvsnap"}]}
+    model = await asyncio.to_thread(served, request.app)
+    entry = {"id": model["model"], "object": "model", "created": 0, "owned_by": "kvsnap", "dtype": model["dtype"]}
+    return {"object": "list", "data": [entry]}
 
 
 @router.post(

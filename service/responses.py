@@ -5,6 +5,7 @@ response starts, so that early errors still get their status code)."""
 from __future__ import annotations
 
 import json
+import time
 
 import anyio
 from fastapi import Request
@@ -23,6 +24,33 @@ def current(app):
     if ingress is None:
         raise KvsnapError("ingress not initialised")
     return ingress
+
+
+SERVED_TTL_S = 5.0  # /health is polled by load balancers: the workers' loads are read at most this often
+
+
+def served(app) -> dict:
+    """The model the service serves and what its live workers compute it in (from the load each
+    publishes with its heartbeat): ``{"model", "dtype": [...], "device": [...], "workers": n}``,
+    read from Redis at most every SERVED_TTL_S (a scan of the workers' keys). Redis down reads as
+    no workers; the model's name is the service's own."""
+    ingress = current(app)
+    cached = getattr(ingress, "served_cache", None)
+    if cached is not None and time.monotonic() - cached[0] < SERVED_TTL_S:
+        return cached[1]
+    try:
+        loads = ingress.directory.loads()
+    except KvsnapError:
+        loads = {}
+    view = {
+        "model": ingress.cfg.model,
+        "dtype": sorted({s["dtype"] for s in loads.values() if "dtype" in s}),
+        "device": sorted({s["device"] for s in loads.values() if "device" in s}),
+        "workers": len(loads),
+    }
+    if loads:  # none yet (a replica publishes its first load 2 s after it starts): ask again next time
+        ingress.served_cache = (time.monotonic(), view)
+    return view
 
 
 def api_of(request: Request) -> SessionAPI:

@@ -53,6 +53,7 @@ def bf16_engine() -> Engine:
 @pytest.mark.parametrize("spec", ["snapkv", "reselect"])
 def test_a_rebuild_in_bf16_answers_like_the_uninterrupted_twin(spec, bf16_engine, directory_factory):
     twin = make_worker(bf16_engine, directory_factory(), "twin")
+    assert (twin.stats()["dtype"], twin.stats()["device"]) == ("bfloat16", "cpu")  # what /health reports
     open_session(twin, "twin", spec)
     want = [tokens for tokens, _ in run_turns(twin, "twin", AFTER)]
 

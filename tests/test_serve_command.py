@@ -79,6 +79,12 @@ def test_kvsnap_serve_from_a_fresh_directory_answers_and_stops_cleanly(tmp_path)
             timeout=120,
         )
         assert made.status_code == 201, made.text
+        deadline = time.monotonic() + 60  # the replica publishes its load with its heartbeat (every 2 s)
+        while (health := requests.get("http://127.0.0.1:8000/health", timeout=10).json())["workers"] < 1:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert (health["model"], health["dtype"], health["workers"]) == ("gemma3-270m", ["float32"], 1), health
         defaults = default_settings("gemma3-270m")  # no settings given: the model's measured defaults
         assert made.json()["policy"].startswith(f"{defaults['policy']}("), made.json()
         assert all(f"{k}={v}" in made.json()["policy"] for k, v in defaults.items() if k in ("ratio", "spans"))

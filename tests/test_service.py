@@ -500,8 +500,20 @@ def test_overload_is_answered_429_with_retry_after(service):
     assert set(codes) <= {200, 429}
 
 
+def _health_with_workers(service, timeout_s: float = 60) -> dict:
+    """/health once a worker's load (published with its heartbeat) is in Redis."""
+    deadline = time.monotonic() + timeout_s
+    while (health := requests.get(f"{service.http}/health").json())["workers"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return health
+
+
 def test_metrics_and_health(service):
-    assert requests.get(f"{service.http}/health").json() == {"status": "ok"}
+    health = _health_with_workers(service)  # no key needed: liveness, and what the workers compute in
+    assert health["status"] == "ok" and health["model"] == "tiny-llama" and health["workers"] >= 1, health
+    assert health["dtype"] == ["float32"] and health["device"] == ["cpu"], health  # the tiny presets: float32
+    listed = requests.get(f"{service.http}/v1/models", headers=service.headers()).json()["data"]
+    assert [(m["id"], m["dtype"]) for m in listed] == [("tiny-llama", ["float32"])]
     assert requests.get(f"{service.http}/metrics").status_code == 401
     text = requests.get(f"{service.http}/metrics", headers=service.headers()).text
     for name in (
