@@ -39,16 +39,16 @@ def served(app) -> dict:
     if cached is not None and time.monotonic() - cached[0] < SERVED_TTL_S:
         return cached[1]
     try:
-        loads = ingress.directory.loads()
-    except KvsnapError:
-        loads = {}
+        loads, down = ingress.directory.loads(), False
+    except KvsnapError:  # Redis down: not asked again for SERVED_TTL_S (liveness stays quick)
+        loads, down = {}, True
     view = {
         "model": ingress.cfg.model,
         "dtype": sorted({s["dtype"] for s in loads.values() if "dtype" in s}),
         "device": sorted({s["device"] for s in loads.values() if "device" in s}),
         "workers": len(loads),
     }
-    if loads:  # none yet (a replica publishes its first load 2 s after it starts): ask again next time
+    if loads or down:  # none yet (a replica publishes its first load 2 s after it starts): ask next time
         ingress.served_cache = (time.monotonic(), view)
     return view
 
