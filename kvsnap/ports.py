@@ -35,16 +35,19 @@ def ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
         return 32768
 
 
+DIRECT_INGRESS = (("HTTP", 30000, 31000), ("GRPC", 40000, 41000))  # Serve's default replica port ranges
+
+
 def serve_replica_ports() -> list[range]:
-    """The port ranges Ray Serve's direct ingress hands its replicas (its defaults, or the
-    RAY_SERVE_DIRECT_INGRESS_{MIN,MAX}_{HTTP,GRPC}_PORT it is given)."""
-    ranges = []
-    for proto, low, high in (("HTTP", 30000, 31000), ("GRPC", 40000, 41000)):
+    """The port ranges Ray Serve's direct ingress hands its replicas: its defaults, and the
+    RAY_SERVE_DIRECT_INGRESS_{MIN,MAX}_{HTTP,GRPC}_PORT a local Ray is given."""
+    ranges = [range(low, high + 1) for _, low, high in DIRECT_INGRESS]
+    for proto, _, _ in DIRECT_INGRESS:
         try:
-            low = int(os.environ.get(f"RAY_SERVE_DIRECT_INGRESS_MIN_{proto}_PORT", low))
-            high = int(os.environ.get(f"RAY_SERVE_DIRECT_INGRESS_MAX_{proto}_PORT", high))
-        except ValueError:
-            pass
+            low = int(os.environ[f"RAY_SERVE_DIRECT_INGRESS_MIN_{proto}_PORT"])
+            high = int(os.environ[f"RAY_SERVE_DIRECT_INGRESS_MAX_{proto}_PORT"])
+        except (KeyError, ValueError):
+            continue
         ranges.append(range(low, high + 1))
     return ranges
 
@@ -67,6 +70,21 @@ def free_port(tries: int = 200) -> int:
             port = s.getsockname()[1]
         _handed_out.add(port)
         return port
+
+
+def free_block(size: int, tries: int = 200) -> int:
+    """The first of ``size`` consecutive ports that no listener holds now, drawn like
+    :func:`free_port` (a local Serve app's replica port range)."""
+    high, taken = ephemeral_low(), serve_replica_ports()
+    with _lock:
+        for _ in range(tries if high - LOW > 10 * size else 0):
+            low = random.randrange(LOW, high - size)
+            block = range(low, low + size)
+            clash = any(p in _handed_out or any(p in r for r in taken) for p in block)
+            if not clash and all(_bindable(p) for p in block):
+                _handed_out.update(block)
+                return low
+    raise RuntimeError(f"no {size} consecutive free ports between {LOW} and {high}")
 
 
 def _bindable(port: int) -> bool:

