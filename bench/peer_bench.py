@@ -131,12 +131,12 @@ def chats(model: str, count: int, turns: int, doc_tokens: int, seed0: int) -> li
     out = []
     for i in range(count):
         doc = facts_document(tok, target_tokens=doc_tokens, facts=turns, seed=seed0 + i)
-        out.append({"document": doc.document, "facts": doc.facts, "messages": []})
+        out.append({"document": doc.document, "facts": doc.facts})
     return out
 
 
 def ask(client, model: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed chat completion: TTFT, total seconds, the answer."""
+    """One streamed chat completion: its TTFT (first text) and the answer."""
     t0 = time.perf_counter()
     ttft, parts = None, []
     stream = client.chat.completions.create(

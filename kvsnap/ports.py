@@ -36,19 +36,22 @@ def ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
 
 
 DIRECT_INGRESS = (("HTTP", 30000, 31000), ("GRPC", 40000, 41000))  # Serve's default replica port ranges
+# the variables that give a local Ray other ranges: protocol -> (first port's, last port's)
+DIRECT_INGRESS_ENV = {
+    proto: (f"RAY_SERVE_DIRECT_INGRESS_MIN_{proto}_PORT", f"RAY_SERVE_DIRECT_INGRESS_MAX_{proto}_PORT")
+    for proto, _, _ in DIRECT_INGRESS
+}
 
 
 def serve_replica_ports() -> list[range]:
     """The port ranges Ray Serve's direct ingress hands its replicas: its defaults, and the
-    RAY_SERVE_DIRECT_INGRESS_{MIN,MAX}_{HTTP,GRPC}_PORT a local Ray is given."""
+    ranges a local Ray is given (DIRECT_INGRESS_ENV)."""
     ranges = [range(low, high + 1) for _, low, high in DIRECT_INGRESS]
-    for proto, _, _ in DIRECT_INGRESS:
+    for low_key, high_key in DIRECT_INGRESS_ENV.values():
         try:
-            low = int(os.environ[f"RAY_SERVE_DIRECT_INGRESS_MIN_{proto}_PORT"])
-            high = int(os.environ[f"RAY_SERVE_DIRECT_INGRESS_MAX_{proto}_PORT"])
+            ranges.append(range(int(os.environ[low_key]), int(os.environ[high_key]) + 1))
         except (KeyError, ValueError):
             continue
-        ranges.append(range(low, high + 1))
     return ranges
 
 
@@ -58,33 +61,39 @@ _lock = threading.Lock()
 
 def free_port(tries: int = 200) -> int:
     """A port no listener holds now, outside the ephemeral range where it can be."""
-    high, taken = ephemeral_low(), serve_replica_ports()
     with _lock:
-        for _ in range(tries if high - LOW > 1000 else 0):
-            port = random.randrange(LOW, high)
-            if port not in _handed_out and not any(port in r for r in taken) and _bindable(port):
-                _handed_out.add(port)
-                return port
-        with socket.socket() as s:  # a machine whose ephemeral range starts low: the kernel's choice
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        _handed_out.add(port)
+        port = _draw(1, tries, room=1000)
+        if port is None:  # a machine whose ephemeral range starts low: the kernel's choice
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            _handed_out.add(port)
         return port
 
 
 def free_block(size: int, tries: int = 200) -> int:
     """The first of ``size`` consecutive ports that no listener holds now, drawn like
     :func:`free_port` (a local Serve app's replica port range)."""
-    high, taken = ephemeral_low(), serve_replica_ports()
     with _lock:
-        for _ in range(tries if high - LOW > 10 * size else 0):
-            low = random.randrange(LOW, high - size)
-            block = range(low, low + size)
-            clash = any(p in _handed_out or any(p in r for r in taken) for p in block)
-            if not clash and all(_bindable(p) for p in block):
-                _handed_out.update(block)
-                return low
-    raise RuntimeError(f"no {size} consecutive free ports between {LOW} and {high}")
+        low = _draw(size, tries, room=10 * size)
+    if low is None:
+        raise RuntimeError(f"no {size} consecutive free ports between {LOW} and {ephemeral_low()}")
+    return low
+
+
+def _draw(size: int, tries: int, room: int) -> int | None:
+    """The first of ``size`` consecutive ports drawn at random between LOW and the ephemeral range,
+    none handed out before, in Serve's replica ranges or held now (None after ``tries`` draws, or
+    at once where the span is ``room`` ports or less). The caller holds ``_lock``."""
+    high, taken = ephemeral_low(), serve_replica_ports()
+    for _ in range(tries if high - LOW > room else 0):
+        low = random.randrange(LOW, high - size + 1)
+        block = range(low, low + size)
+        clash = any(p in _handed_out or any(p in r for r in taken) for p in block)
+        if not clash and all(_bindable(p) for p in block):
+            _handed_out.update(block)
+            return low
+    return None
 
 
 def _bindable(port: int) -> bool:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvsnap.errors import InvalidArgument
-from kvsnap.ports import free_block, free_port
+from kvsnap.ports import DIRECT_INGRESS_ENV, free_block, free_port
 
 
 class PolicyDefaults(BaseModel):
@@ -265,10 +265,7 @@ AUTO_PORTS_ENV = "KVSNAP_DRAWN_PORTS"
 # this service's requests to the other one (a test suite's own key refused: HTTP 401). A local
 # Ray started by kvsnap gets ranges of its own, drawn (and drawn again in a child) like the
 # HAProxy ports; ranges the user set are kept.
-DIRECT_INGRESS_RANGE_ENV = {
-    proto: (f"RAY_SERVE_DIRECT_INGRESS_MIN_{proto}_PORT", f"RAY_SERVE_DIRECT_INGRESS_MAX_{proto}_PORT")
-    for proto in ("HTTP", "GRPC")
-}
+DIRECT_INGRESS_RANGE_ENV = DIRECT_INGRESS_ENV  # protocol -> (first port's variable, last port's)
 DIRECT_INGRESS_BLOCK = 64  # ports per range: ingress replicas of one service on one node
 
 
