@@ -1,12 +1,12 @@
 """KV compression policies, registered by name.
 
 >>> make_policy("snapkv", budget=256, window=16)
-SnapKV(window=16, budget=256, ratio=None, kernel=7, pooling='max', gqa_reduce='mean')
+SnapKV(window=16, budget=256, ratio=None, floor=0, kernel=7, pooling='max', gqa_reduce='mean')
 
 A ``decode`` parameter pairs a prefill policy with one that evicts while decoding:
 
 >>> make_policy("snapkv", budget=256, decode={"policy": "h2o", "budget": 64}).decoder()
-H2O(window=32, budget=64, ratio=None)
+H2O(window=32, budget=64, ratio=None, floor=0)
 """
 
 from __future__ import annotations

@@ -26,6 +26,10 @@ POLICIES: dict[str, type[Policy]] = {}
 class Policy:
     """Keep ``budget`` prefix rows (or ``ratio`` of the prefix) plus the last ``window`` rows.
 
+    ``floor`` (with a ratio, or a scored policy's ``tau``): the fewest prefix rows a selection
+    keeps, so a prefix of ``floor`` rows or fewer is kept whole (a ratio alone halves a
+    two-sentence document too). 0: none.
+
     Subclasses implement :meth:`score`. ``window`` is also how many trailing
     prompt tokens the engine records queries for (the observation window).
     """
@@ -36,12 +40,18 @@ class Policy:
     window: int = 32
     budget: int = 512
     ratio: float | None = None
+    floor: int = 0
 
     def __post_init__(self) -> None:
         _check_int("window", self.window, minimum=1)
         _check_int("budget", self.budget, minimum=1)
         if self.ratio is not None and not (isinstance(self.ratio, float | int) and 0.0 < self.ratio < 1.0):
             raise InvalidArgument(f"ratio must be a number in (0, 1), got {self.ratio!r}")
+        _check_int("floor", self.floor, minimum=0)
+        if self.floor and self.ratio is None and getattr(self, "tau", None) is None:
+            raise InvalidArgument(
+                "floor is the fewest rows a ratio (or tau) keeps: give a ratio with it, or a budget alone"
+            )
 
     # -- what subclasses provide -------------------------------------------------------
     def score(self, window_queries: torch.Tensor, keys: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -61,9 +71,9 @@ class Policy:
         return False
 
     def prefix_budget(self, prefix_len: int) -> int:
-        """How many prefix rows to keep out of ``prefix_len``."""
+        """How many prefix rows to keep out of ``prefix_len`` (a ratio's share, at least ``floor``)."""
         if self.ratio is not None:
-            return max(1, math.ceil(self.ratio * prefix_len))
+            return max(1, math.ceil(self.ratio * prefix_len), self.floor)
         return self.budget
 
     def compresses(self, length: int, window: int | None = None) -> bool:
@@ -120,7 +130,7 @@ class Policy:
 
 class Wrapper:
     """Mixin for a policy that selects rows as the policy it wraps does (``wrapped``): Compose
-    and Reselect. Its ``window``, ``budget`` and ``ratio`` mirror the wrapped policy's (the
+    and Reselect. Its ``window``, ``budget``, ``ratio`` and ``floor`` mirror the wrapped policy's (the
     window is the observation window the engine captures); call :meth:`_mirror` after checks."""
 
     __slots__ = ()
@@ -130,7 +140,7 @@ class Wrapper:
         raise NotImplementedError
 
     def _mirror(self) -> None:
-        for name in ("window", "budget", "ratio"):
+        for name in ("window", "budget", "ratio", "floor"):
             object.__setattr__(self, name, getattr(self.wrapped, name))
 
     @property

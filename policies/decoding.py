@@ -45,8 +45,8 @@ class Evictor:
         return self.budget + self.window
 
     def check_evictor(self) -> None:
-        if self.ratio is not None:
-            raise InvalidArgument(f"{self.name} keeps a fixed number of rows: give budget, not ratio")
+        if self.ratio is not None or self.floor:
+            raise InvalidArgument(f"{self.name} keeps a fixed number of rows: give budget, not ratio or floor")
 
     def start(self, window_attn: torch.Tensor | None, length: int):
         """The eviction state of a layer of ``length`` rows after prefill. ``window_attn``:
@@ -66,13 +66,14 @@ class Evictor:
 @dataclass(frozen=True, slots=True)
 class Compose(Wrapper, Policy):
     """``prefill``'s selection when a prompt is prefilled, ``decode``'s eviction while decoding.
-    ``window``, ``budget`` and ``ratio`` mirror the prefill policy's."""
+    ``window``, ``budget``, ``ratio`` and ``floor`` mirror the prefill policy's."""
 
     name = "compose"
 
     window: int = field(init=False, default=0)
     budget: int = field(init=False, default=0)
     ratio: float | None = field(init=False, default=None)
+    floor: int = field(init=False, default=0)
     prefill: Policy | None = None
     decode: Policy | None = None
 

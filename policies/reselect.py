@@ -25,6 +25,7 @@ class Reselect(Wrapper, Policy):
     window: int = field(init=False, default=0)
     budget: int = field(init=False, default=0)
     ratio: float | None = field(init=False, default=None)
+    floor: int = field(init=False, default=0)
     inner: Policy | None = None
 
     def __post_init__(self) -> None:

@@ -100,6 +100,7 @@ class ScoredPolicy(Policy):
             k = min(self.prefix_budget(n - w), n - w)
         else:  # how many: the rows' own scores (pooling would inflate the count)
             k = int(torch.round((prefix > self.tau).float().sum(dim=-1).mean()).item()) if n > w else 0
+            k = min(max(k, self.floor), n - w)
         kernel = self.pool()
         if kernel > 1 and n > w:  # which: each row by its neighbourhood's best
             flat = prefix.reshape(batch * kv_heads, 1, n - w).float()

@@ -23,6 +23,7 @@ class PolicyDefaults(BaseModel):
     policy: str | None = Field(None, description="a registered policy (full, snapkv, kvzap, ...); unset: the model's")
     budget: int | None = Field(None, ge=1, description="prefix rows kept per KV head (replaces the model's size)")
     ratio: float | None = Field(None, gt=0, lt=1, description="share of the prefix kept (instead of a budget)")
+    floor: int | None = Field(None, ge=0, description="with a ratio or tau: the fewest prefix rows kept")
     window: int | None = Field(None, ge=1, description="observation window; recent tokens kept (streaming)")
     kernel: int | None = Field(None, ge=1, description="pooling kernel (odd)")
     pooling: str | None = Field(None, description="max | avg (snapkv)")

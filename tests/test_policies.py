@@ -88,6 +88,23 @@ def test_snapkv_ratio_budget():
     assert SnapKV(window=4, ratio=0.25).select(q, k, logical_len=404).shape[-1] == 100 + 4
 
 
+def test_a_floor_keeps_a_short_prefix_whole_and_a_long_one_at_its_share():
+    q = torch.randn(1, 2, 4, 8)
+    floored = SnapKV(window=4, ratio=0.25, floor=50)
+    assert floored.select(q, torch.randn(1, 2, 44, 8)).shape[-1] == 44  # 40 rows <= the floor: all stay
+    assert not floored.compresses(54) and floored.compresses(56)
+    assert floored.select(q, torch.randn(1, 2, 104, 8)).shape[-1] == 50 + 4  # 25 by the share, 50 by the floor
+    assert floored.select(q, torch.randn(1, 2, 404, 8)).shape[-1] == 100 + 4  # the share is the larger
+    # a share of a threshold's count too: kvzap keeps at least the floor's rows, its best by score
+    scores = torch.full((1, 1, 40), -10.0)
+    scores[0, 0, 20] = 5.0
+    kept = make_policy("kvzap", tau=0.0, window=4, floor=3).keep_scored(scores, 40)[0, 0].tolist()
+    assert len(kept) == 3 + 4 and 20 in kept
+    # a wrapper (a decode-time composition, re-selection) selects with its policy's floor
+    composed = make_policy("snapkv", ratio=0.25, floor=50, decode={"policy": "h2o", "budget": 8})
+    assert composed.floor == 50 and composed.prefix_budget(40) == 50
+
+
 def test_streaming_keeps_sinks_and_recent():
     q, k = torch.randn(1, 2, 8, 8), torch.randn(1, 2, 40, 8)
     kept = StreamingLLM(window=8, sinks=4).select(q, k)
@@ -148,6 +165,8 @@ def test_full_never_compresses():
         ({"pooling": "median"}, "pooling must be"),
         ({"gqa_reduce": "sum"}, "gqa_reduce must be"),
         ({"ratio": 1.5}, "ratio must be"),
+        ({"floor": 64}, "give a ratio with it"),  # a budget is a count already
+        ({"ratio": 0.5, "floor": -1}, "floor must be >= 0"),
         ({"budget": 2.5}, "budget must be an integer"),
         ({"bogus": 1}, "no parameter"),
     ],

@@ -265,6 +265,7 @@ HTTP_CASES = [
     ("another tenant's session", "post", "/v1/sessions/err-held/turns", "key-beta", {"message": "hi"}, 404),
     ("budget 0", "post", "/v1/sessions", "key-alpha", {"document": DOC, "settings": {"budget": 0}}, 400),
     ("unknown policy", "post", "/v1/sessions", "key-alpha", {"document": DOC, "settings": {"policy": "h3o"}}, 400),
+    ("floor of a budget", "post", "/v1/sessions", "key-alpha", {"document": DOC, "settings": {"floor": 64}}, 400),
     ("window > prompt", "post", "/v1/sessions", "key-alpha", {"document": "tiny", "settings": {"window": 64}}, 400),
     (
         "decode policy that cannot evict",

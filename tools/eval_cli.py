@@ -92,7 +92,8 @@ def add_eval_parser(sub) -> None:
         "+scissorhands:D or +streaming:D evict while decoding (e.g. snapkv:256+h2o:128); @kivi2 / @kivi4 "
         "quantize the KV between turns; kvzip:B, kvzap:B (query-agnostic). Each holds B (D) + window rows; "
         "a budget may be r<share> of the prefix (snapkv:r0.33) or, for kvzip/kvzap, t<log score> (kvzap:t-4); "
-        "/k<n> sets the pooling kernel, /s keeps sentence spans whole (snapkv:r0.5/s); default: the model's defaults",
+        "/f<n> after a share keeps at least n rows, /k<n> sets the pooling kernel, /s keeps sentence spans whole "
+        "(snapkv:r0.5/f512/s); default: the model's defaults",
     )
     ev.add_argument("--keys", type=int, default=None, help="keys planted for multikey / multiturn (default 4)")
     ev.add_argument("--seeds", type=int, default=None, help="documents per length (default 2)")

@@ -24,7 +24,8 @@ def _spec_pattern() -> re.Pattern:
     prefill, decode = _spec_names()
     return re.compile(
         rf"^(?P<policy>full|(?:{'|'.join(prefill)}):(?:(?P<budget>[1-9][0-9]*)|r(?P<ratio>0?\.[0-9]+)"
-        r"|t(?P<tau>-?[0-9]+(?:\.[0-9]+)?))(?:/k(?P<kernel>[1-9][0-9]*))?(?P<spans>/s)?)"
+        r"|t(?P<tau>-?[0-9]+(?:\.[0-9]+)?))(?:/f(?P<floor>[1-9][0-9]*))?(?:/k(?P<kernel>[1-9][0-9]*))?"
+        r"(?P<spans>/s)?)"
         rf"(?:\+(?P<decode>{'|'.join(decode)}):(?P<decode_budget>[1-9][0-9]*))?"
         r"(?:@(?P<quant>kivi2|kivi4))?$"
     )
@@ -37,7 +38,9 @@ SINKS = 4  # streaming's attention sinks, here and as a decode-time policy
 class PolicySpec:
     """A policy named on the command line: ``<prefill>[+<decode>:<budget>][@kivi2|@kivi4]``;
     a prefill budget may instead be ``r<share>`` (a share of the prefix: ``snapkv:r0.33``) or,
-    for kvzip and kvzap, ``t<log score>`` (a threshold: ``kvzap:t-4``); ``/k<n>`` after it sets
+    for kvzip and kvzap, ``t<log score>`` (a threshold: ``kvzap:t-4``); ``/f<n>`` after a share or
+    a threshold keeps at least n rows (``snapkv:r0.5/f512``: a prefix of 512 rows or fewer stays
+    whole); ``/k<n>`` after that sets
     the pooling kernel of a policy that has one (``kvzip:r0.33/k1``: no pooling), and ``/s`` after
     that keeps sentence spans whole (``snapkv:r0.5/s``; snapkv, kvzip, kvzap).
 
@@ -67,6 +70,7 @@ class PolicySpec:
     tau: float | None = None  # ``kvzap:t-4``: keep the rows scoring above this log score (kvzip, kvzap)
     kernel: int | None = None  # ``kvzip:r0.33/k1``: the policy's pooling kernel instead of its default
     spans: bool = False  # ``snapkv:r0.5/s``: sentence spans kept whole (engine/spans.py)
+    floor: int = 0  # ``snapkv:r0.5/f512``: a share keeps at least that many rows
 
     @classmethod
     def parse(cls, text: str) -> PolicySpec:
@@ -82,6 +86,8 @@ class PolicySpec:
             raise InvalidArgument(f"policy spec {text!r}: streaming keeps a fixed window, not a share (r<share>)")
         if m["tau"] is not None and policy not in ("kvzip", "kvzap"):
             raise InvalidArgument(f"policy spec {text!r}: a threshold (t<log score>) is for kvzip and kvzap only")
+        if m["floor"] and m["ratio"] is None and m["tau"] is None:
+            raise InvalidArgument(f"policy spec {text!r}: a floor (/f<rows>) follows a share (r<share>) or a threshold")
         return cls(
             text.strip(),
             policy,
@@ -93,6 +99,7 @@ class PolicySpec:
             float(m["tau"]) if m["tau"] is not None else None,
             int(m["kernel"]) if m["kernel"] else None,
             bool(m["spans"]),
+            int(m["floor"] or 0),
         )
 
     def settings(self, window: int) -> dict:
@@ -112,6 +119,8 @@ class PolicySpec:
         if self.ratio is not None or self.tau is not None:  # instead of the budget
             out.pop("budget", None)
             out |= {"ratio": self.ratio} if self.ratio is not None else {"tau": self.tau}
+            if self.floor:
+                out["floor"] = self.floor
         if self.kernel is not None:
             out["kernel"] = self.kernel
         if self.policy != "full" and "spans" in policy_params(out["policy"]):
@@ -136,8 +145,8 @@ class PolicySpec:
 
 def spec_text(settings: dict) -> str:
     """The spec that realises session ``settings`` (a model's defaults, kvsnap.engine.defaults):
-    ``{"policy": "kvzap", "ratio": 0.5, "spans": True}`` -> ``kvzap:r0.5/s``. The window is the
-    eval's own (``--window``); settings a spec cannot say raise InvalidArgument."""
+    ``{"policy": "kvzap", "ratio": 0.5, "floor": 512, "spans": True}`` -> ``kvzap:r0.5/f512/s``.
+    The window is the eval's own (``--window``); settings a spec cannot say raise InvalidArgument."""
     rest = dict(settings)
     policy, recompress = rest.pop("policy"), rest.pop("recompress", "per_turn")
     rest.pop("window", None)
@@ -152,6 +161,11 @@ def spec_text(settings: dict) -> str:
     size = f"r{rest.pop('ratio')}" if "ratio" in rest else f"t{rest.pop('tau')}" if "tau" in rest else None
     budget = rest.pop("budget", None)
     text = f"{policy}:{size or budget}"
+    floor = rest.pop("floor", 0)
+    if floor and size is not None:
+        text += f"/f{floor}"
+    elif floor:
+        rest["floor"] = floor  # a floor without a share: no spec says it
     kernel = rest.pop("kernel", None)
     if kernel is not None and not (policy in ("snapkv", "reselect") and kernel == 7):
         text += f"/k{kernel}"
