@@ -82,13 +82,28 @@ def sse_events(response: requests.Response) -> list[dict]:
     ]
 
 
-def kill_replica(worker_id: str) -> None:
+def kill_replica(worker_id: str, timeout_s: float = 60) -> None:
+    """Kill a worker replica and wait until it is dead: ``ray.kill`` only sends the kill, and on
+    a busy machine the replica answered one more turn after it returned (fresh-clone make test
+    beside a CPU-bound process)."""
     import ray
+    from ray.exceptions import RayActorError
 
     name = next(
         a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(f"#{worker_id}")
     )
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    actor = ray.get_actor(name, namespace="serve")
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=5)
+        except RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            continue
+        time.sleep(0.1)
+    raise AssertionError(f"replica {worker_id} still answers {timeout_s} s after ray.kill")
 
 
 def wait_for_workers(count: int = 2, timeout_s: float = 90) -> None:
@@ -605,8 +620,6 @@ def test_overloaded_holder_gives_up_the_session(service, llama_engine):
 def test_killed_holder_is_replaced_and_a_snapkv_session_rebuilt_exactly(service):
     """A compressed session (SnapKV, the default policy) rebuilt on another replica after its
     holder is killed answers exactly like an uninterrupted twin: the rebuild replays each turn."""
-    import ray
-
     settings = {"policy": "snapkv", "budget": 16, "window": 8, "kernel": 3}
     twin = Engine(load_model("tiny-llama"), prefill_chunk=service.cfg.prefill_chunk)
     want = reference_answers(twin, DOC, QUESTIONS, 6, make_policy("snapkv", budget=16, window=8, kernel=3))
@@ -614,8 +627,7 @@ def test_killed_holder_is_replaced_and_a_snapkv_session_rebuilt_exactly(service)
     first = turn(service, "kill-me", QUESTIONS[0]).json()
     holder = first["worker"]
     assert first["state"]["kept_len"] < first["state"]["logical_len"]  # compressed
-    name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(f"#{holder}"))
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    kill_replica(holder)
     second = turn(service, "kill-me", QUESTIONS[1])
     assert second.status_code == 200, second.text
     second = second.json()
