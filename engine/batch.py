@@ -108,16 +108,43 @@ def _mask(q: int, k: int, layer, device) -> torch.Tensor | None:
 
 
 def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values: RaggedKV, **kwargs):
-    """``attend`` (an attention function) row by row; query ``[1, H, T, D]`` -> ``[1, T, H, D]``."""
+    """``attend`` (an attention function) row by row; query ``[1, H, T, D]`` -> ``[1, T, H, D]``.
+    A one-token row in bf16 / fp16 on a CPU takes :func:`one_token_attention` instead."""
     outputs = []
     layer_idx = getattr(module, "layer_idx", None)
+    own = _one_token_pays(query) and kwargs.get("softcap") is None
     for b, (start, end) in enumerate(keys.spans):
         q = query[:, :, start:end]
         capture = keys.captures[b]
         if capture is not None and layer_idx in capture.layers:
             capture.add(layer_idx, q, kwargs.get("scaling"), keys[b])
-        outputs.append(attend(module, q, keys[b], values[b], keys.masks[b], **kwargs)[0])
+        if own and end - start == 1:
+            outputs.append(one_token_attention(q, keys[b], values[b], kwargs.get("scaling")))
+        else:
+            outputs.append(attend(module, q, keys[b], values[b], keys.masks[b], **kwargs)[0])
     return torch.cat(outputs, dim=1), None
+
+
+def _one_token_pays(query: torch.Tensor) -> bool:
+    """torch's CPU flash kernel takes 2-3 ms for one bf16 query against 1-2K rows (padding the
+    query to a block); two float32 matrix products take a tenth of that (docs/BENCHMARKS.md,
+    "The decode step"). float32 and CUDA keep SDPA."""
+    return query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
+
+
+def one_token_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None):
+    """Attention of one token over every row (no mask): query ``[1, H, 1, D]``, keys / values
+    ``[1, H_kv, L, D]`` -> ``[1, 1, H, D]``. All in float32, as SDPA's kernels accumulate, so the
+    result equals SDPA's up to the output's own rounding: a prompt chunk of one token (which a
+    batched step may cut where a session alone would not) answers as SDPA would. Each KV head's
+    query heads (grouped-query attention) share one product with its keys."""
+    _, heads, _, dim = query.shape
+    kv_heads = keys.shape[1]
+    scale = dim**-0.5 if scale is None else scale
+    q = query.float().view(1, kv_heads, heads // kv_heads, dim)  # [1, H_kv, G, D]
+    weights = torch.softmax(torch.matmul(q, keys.float().transpose(-1, -2)) * scale, dim=-1)  # [1, H_kv, G, L]
+    out = torch.matmul(weights, values.float()).to(values.dtype)  # [1, H_kv, G, D]
+    return out.view(1, 1, heads, dim)
 
 
 def packed_inputs(rows: list[Row], device) -> dict:
