@@ -126,9 +126,9 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
 
 
 def _one_token_pays(query: torch.Tensor) -> bool:
-    """torch's CPU flash kernel takes 2-3 ms for one bf16 query against 1-2K rows (padding the
-    query to a block); two float32 matrix products take a tenth of that (docs/BENCHMARKS.md,
-    "The decode step"). float32 and CUDA keep SDPA."""
+    """torch's CPU flash kernel takes 2-3 ms for one bf16 query against 1-2K rows; two float32
+    matrix products take about a seventh of that (docs/BENCHMARKS.md, "The decode step").
+    float32 and CUDA keep SDPA."""
     return query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
 
 
