@@ -81,6 +81,13 @@ class BlockRows:
         self._k, self._v = buffers
         self._start, self._end = 0, used
 
+    def written(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the last ``n`` rows appended, read right after their append (a sliding
+        layer's window may no longer show them all, but its buffer still holds them)."""
+        if self._k is None or n > self._end:
+            raise ValueError(f"the layer holds {self._end} rows, not the {n} asked for")
+        return self._k[:, :, self._end - n : self._end].clone(), self._v[:, :, self._end - n : self._end].clone()
+
     def exact(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows in use as tensors of their own (no spare capacity: what a tier stores)."""
         if self._k is None:
@@ -204,6 +211,12 @@ def export_kv(cache: DynamicCache) -> list[torch.Tensor]:
 def import_kv(config, tensors: list[torch.Tensor], logical_len: int) -> DynamicCache:
     """Rebuild a session cache for ``config`` from :func:`export_kv` tensors at ``logical_len`` tokens."""
     cache = new_session_cache(config)
+    fill_kv(cache, tensors, logical_len)
+    return cache
+
+
+def fill_kv(cache: DynamicCache, tensors: list[torch.Tensor], logical_len: int) -> None:
+    """Give a new (empty) session cache the rows of :func:`export_kv` tensors at ``logical_len`` tokens."""
     if len(tensors) != 2 * len(cache.layers):
         raise ValueError(f"expected {2 * len(cache.layers)} KV tensors, got {len(tensors)}")
     for i, layer in enumerate(cache.layers):
@@ -214,4 +227,22 @@ def import_kv(config, tensors: list[torch.Tensor], logical_len: int) -> DynamicC
             layer.logical_len = logical_len
         elif isinstance(layer, DynamicSlidingWindowLayer):
             layer.cumulative_length = logical_len
-    return cache
+
+
+def prefix_kv(cache: DynamicCache, blocks: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[torch.Tensor]:
+    """:func:`export_kv` tensors of the cache a prefill of consecutive blocks of tokens leaves
+    (``blocks``: per block, every layer's ``(keys, values)``): a full layer holds every row, a
+    sliding layer the last ``sliding_window - 1``."""
+    tensors = []
+    for i, layer in enumerate(cache.layers):
+        for part in (0, 1):
+            rows = torch.cat([block[i][part] for block in blocks], dim=-2)
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                rows = rows[:, :, -(layer.sliding_window - 1) :].contiguous()
+            tensors.append(rows)
+    return tensors
+
+
+def shares_blocks(cache: DynamicCache) -> bool:
+    """Whether every layer keeps its rows in :class:`BlockRows` (what sharing a prefix needs)."""
+    return all(isinstance(layer, BlockRows) for layer in cache.layers)

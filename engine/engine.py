@@ -30,13 +30,14 @@ from kvsnap.policies.kvzap import Surrogate
 from kvsnap.policies.kvzip import REPEAT_PROMPT
 
 from .batch import Row, packed_inputs
-from .cache import full_layer_indices, new_session_cache
+from .cache import full_layer_indices, new_session_cache, shares_blocks
 from .capture import hidden_hook
 from .compress import Compression
 from .decode import Decoding
 from .detok import Detokenizer
 from .head import LMHead
 from .models import LoadedModel
+from .prefixes import PrefixCache
 from .replay import Replay
 from .sampling import SamplingParams
 from .session import Session, TurnReport
@@ -86,9 +87,18 @@ class Engine(Compression, Decoding, Replay):
     """One model on many sessions' KV. Prefill and compression: :mod:`.compress`; decode
     steps and decode-time eviction: :mod:`.decode`; the replay of lost sessions: :mod:`.replay`."""
 
-    def __init__(self, loaded: LoadedModel, *, prefill_chunk: int = 1024, greedy_screen: bool | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        prefill_chunk: int = 1024,
+        greedy_screen: bool | None = None,
+        prefix_cache_bytes: int = 0,
+    ):
         """``greedy_screen``: greedy rows' argmax through a bf16 screen (engine/head.py); None:
-        where it pays (a large fp32 head on a CPU with bf16 kernels)."""
+        where it pays (a large fp32 head on a CPU with bf16 kernels). ``prefix_cache_bytes``: the
+        budget of shared prompt prefixes (engine/prefixes.py; blocks of ``prefill_chunk`` tokens),
+        0 = none."""
         if prefill_chunk < 1:
             raise InvalidArgument(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.loaded = loaded
@@ -109,6 +119,9 @@ class Engine(Compression, Decoding, Replay):
         cache = new_session_cache(self.model.config)
         self.attention_layers = len(cache.layers)  # every attention layer, sliding-window ones too
         self.full_layers = full_layer_indices(cache)
+        self.prefixes = None  # shared prompt prefixes, where every layer keeps block rows
+        if prefix_cache_bytes > 0 and shares_blocks(cache):
+            self.prefixes = PrefixCache(prefill_chunk, prefix_cache_bytes)
         self.attention = {
             m.layer_idx: m
             for m in self.model.modules()

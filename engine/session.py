@@ -87,6 +87,7 @@ class TurnReport:
     reselect_s: float = 0.0  # re-selection from the full cache (a Reselect policy), part of the prefill
     queue_s: float = 0.0  # waiting for a place in the worker's batch (continuous batching), before the prefill
     replayed_tokens: int = 0  # tokens replayed to take the session back to a turn boundary first (a rewind)
+    cached_tokens: int = 0  # of prompt_tokens, those whose rows came from a shared prefix (engine/prefixes.py)
 
     @property
     def compression_ratio(self) -> float:
@@ -118,6 +119,9 @@ class Session:
     full_len: int = 0  # positions the full copy covers
     # decode-time eviction state of this turn, per full-attention layer (policy.decoder(); not stored)
     decoding: dict[int, object] = field(default_factory=dict)
+    # the tenant whose shared prefixes the first turn may start from and adds to (engine/prefixes.py);
+    # None: it neither reads nor adds any (not stored: only a first turn uses it)
+    prefix_scope: str | None = None
 
     def __post_init__(self) -> None:
         self.policy, self.recompress = resolve_recompress(self.policy, self.recompress)

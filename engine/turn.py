@@ -24,9 +24,10 @@ import torch
 from kvsnap.policies import scored_policy
 
 from .batch import Row
-from .cache import full_layer_indices
+from .cache import fill_kv, full_layer_indices, prefix_kv
 from .capture import WindowCapture
 from .detok import Detokenizer
+from .prefixes import PrefixCache
 from .sampling import SamplingParams, sample_next
 from .session import Session, TurnMark, TurnReport
 
@@ -39,6 +40,7 @@ class TurnEngine(Protocol):
     eos_ids: set[int]
     max_context: int
     prefill_chunk: int
+    prefixes: PrefixCache | None  # shared prompt prefixes (engine/prefixes.py); None: not shared
 
     def step(self, rows: list[Row]) -> torch.Tensor: ...
 
@@ -81,6 +83,30 @@ class Prefill:
             scorer = engine.surrogate(scored.surrogate).forward
         self.capture = WindowCapture(self.window, layers, scorer)
         self.done = 0  # tokens of ``new`` on the cache
+        self.cached = 0  # of them, those a shared prefix gave (engine/prefixes.py)
+        self.prefixes = engine.prefixes if self.first_turn and session.prefix_scope is not None else None
+        if self.prefixes is not None and scorer is None:  # KVzap scores rows as they pass: it prefills them
+            self._start_from_prefix()
+
+    def _start_from_prefix(self) -> None:
+        """Start from the longest shared prefix of the prompt that leaves the observation window
+        (when a policy reads it; one token at least) to prefill: the rows a prefill of it makes."""
+        session = self.session
+        window = self.window if self.capture.layers else 0  # the queries a compression or an evictor reads
+        blocks = self.prefixes.lookup(session.prefix_scope, self.new, len(self.new) - max(window, 1))
+        if not blocks:
+            return
+        n = len(blocks) * self.prefixes.block
+        fill_kv(session.cache, prefix_kv(session.cache, [b.rows for b in blocks]), n)
+        session.logical_len = self.done = self.cached = n
+
+    def _share_block(self, n: int) -> None:
+        """The chunk of ``n`` tokens that just went onto a first turn's cache is a whole block: the
+        prefix cache keeps a copy of its rows for the tenant's next sessions."""
+        block = self.prefixes.block
+        if n == block and self.done % block == 0:
+            rows = [layer.written(block) for layer in self.session.cache.layers]
+            self.prefixes.add(self.session.prefix_scope, self.new[: self.done], rows)
 
     @property
     def remaining(self) -> int:
@@ -94,6 +120,8 @@ class Prefill:
         """``n`` tokens went onto the cache; after the last ones, compress and return next-token logits [V]."""
         self.done += n
         self.timer.prefill_s += elapsed_s
+        if self.prefixes is not None:
+            self._share_block(n)
         if self.remaining:
             return None
         self.engine.after_prefill(self)
@@ -220,6 +248,7 @@ class Turn:
             decode_s=time.perf_counter() - self.decode_started if self.decode_started else 0.0,
             ttft_s=self.ttft,
             reselect_s=self.timer.reselect_s,
+            cached_tokens=self.prefill.cached,
         )
         session.reports.append(self.report)
         return self.report

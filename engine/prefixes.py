@@ -1,0 +1,164 @@
+"""Shared prompt prefixes: the KV rows of a prompt's first chunks, computed once per replica and
+started from by every new session of the same tenant whose prompt opens with the same tokens
+(vLLM's prefix caching, for sessions that each compress their own cache afterwards).
+
+A block is one prefill chunk (``Engine.prefill_chunk`` tokens). A prefill always runs its
+prompt in chunks from the prompt's start, so the rows of a prompt's first k chunks are the
+same whichever session computed them, and a session that starts from them and prefills the
+rest (from a chunk boundary) runs the very forward passes it would have run alone: its cache,
+its compression and its answer are those of a session that prefilled everything, and a replay
+of its log (which prefills from the start) rebuilds it exactly.
+
+Blocks form a tree per tenant: a block's key digests the tenant, its parent's key and its
+tokens, so a lookup walks from a prompt's first block, and one tenant's text never reaches
+another tenant's rows (nor their timing: a miss is a miss). A block holds its rows of every
+layer (a sliding-window layer's too, so that a prefix of any number of blocks can start a
+session). Blocks are immutable: a session copies the rows it starts from into its own cache,
+which its own question then compresses. A budget in bytes, least recently used first; a
+block is touched after its descendants, so the least recently used block is always a leaf.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from array import array
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """One chunk of a shared prefix: its rows of every layer, ``(keys, values)`` each
+    ``[1, H_kv, block, D]``."""
+
+    key: bytes
+    parent: bytes | None
+    scope: str
+    rows: list[tuple[torch.Tensor, torch.Tensor]]
+    nbytes: int
+    children: int = 0
+
+
+def block_key(scope: str, parent: bytes | None, tokens: list[int]) -> bytes:
+    """The digest naming a block: its tenant, its parent block and its tokens."""
+    h = hashlib.blake2b(digest_size=16)
+    name = scope.encode()
+    h.update(len(name).to_bytes(4, "little") + name)
+    h.update(parent or b"\0" * 16)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+def root_key(scope: str, tokens: list[int], block: int) -> str | None:
+    """The hex name of the first block a prompt of ``tokens`` would start from or add (None when
+    the prompt holds no whole block and more): what the router matches replicas' roots with."""
+    return block_key(scope, None, tokens[:block]).hex() if len(tokens) > block else None
+
+
+class PrefixCache:
+    """Blocks of ``block`` tokens under a budget of ``budget_bytes``; thread-safe."""
+
+    def __init__(self, block: int, budget_bytes: int):
+        if block < 1 or budget_bytes < 0:
+            raise ValueError("a prefix cache needs block >= 1 and budget_bytes >= 0")
+        self.block, self.budget = block, budget_bytes
+        self._blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
+        self.nbytes = 0
+        self.bytes_by_scope: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter()  # hits, misses, tokens_reused, bytes_reused, blocks_added, evictions
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def _keys(self, scope: str, tokens: list[int], blocks: int) -> list[bytes]:
+        keys, parent = [], None
+        for j in range(blocks):
+            parent = block_key(scope, parent, tokens[j * self.block : (j + 1) * self.block])
+            keys.append(parent)
+        return keys
+
+    def lookup(self, scope: str, tokens: list[int], limit: int) -> list[Block]:
+        """The blocks of the longest known prefix of ``tokens`` no longer than ``limit`` tokens
+        (counted as a hit or a miss)."""
+        found: list[Block] = []
+        with self._lock:
+            for key in self._keys(scope, tokens, max(limit, 0) // self.block):
+                block = self._blocks.get(key)
+                if block is None:
+                    break
+                found.append(block)
+            self._touch(found)
+            self.counters["hits" if found else "misses"] += 1
+            self.counters["tokens_reused"] += len(found) * self.block
+            self.counters["bytes_reused"] += sum(b.nbytes for b in found)
+        return found
+
+    def add(self, scope: str, tokens: list[int], rows: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Hold ``rows`` (every layer's, of the last block of ``tokens``, whose length is a whole
+        number of blocks; the caller's own copies) as that block. False when it is known already,
+        its parent is not (evicted meanwhile), or it does not fit the budget."""
+        n = len(tokens) // self.block
+        if n < 1 or len(tokens) % self.block:
+            raise ValueError(f"a prefix block ends on a multiple of {self.block} tokens, not {len(tokens)}")
+        nbytes = sum(t.numel() * t.element_size() for kv in rows for t in kv)
+        keys = self._keys(scope, tokens, n)
+        with self._lock:
+            parent = self._blocks.get(keys[-2]) if n > 1 else None
+            if keys[-1] in self._blocks or (n > 1 and parent is None) or nbytes > self.budget:
+                return False
+            block = Block(keys[-1], keys[-2] if n > 1 else None, scope, rows, nbytes)
+            self._blocks[block.key] = block
+            if parent is not None:
+                parent.children += 1
+            self.nbytes += nbytes
+            self.bytes_by_scope[scope] += nbytes
+            self.counters["blocks_added"] += 1
+            self._touch(self._path(block))
+            self._evict()
+            return block.key in self._blocks
+
+    def _path(self, block: Block) -> list[Block]:
+        """``block`` and its ancestors, root first."""
+        path = [block]
+        while path[-1].parent is not None:
+            path.append(self._blocks[path[-1].parent])
+        return path[::-1]
+
+    def _touch(self, path: list[Block]) -> None:
+        """Mark a root-first path used: deepest first, so every block is newer than its descendants."""
+        for block in reversed(path):
+            self._blocks.move_to_end(block.key)
+
+    def _evict(self) -> None:
+        while self.nbytes > self.budget:
+            leaf = next(b for b in self._blocks.values() if b.children == 0)  # the first one, by the order
+            del self._blocks[leaf.key]
+            if leaf.parent is not None:
+                self._blocks[leaf.parent].children -= 1
+            self.nbytes -= leaf.nbytes
+            self.bytes_by_scope[leaf.scope] -= leaf.nbytes
+            if not self.bytes_by_scope[leaf.scope]:
+                del self.bytes_by_scope[leaf.scope]
+            self.counters["evictions"] += 1
+
+    def roots(self, limit: int = 256) -> list[str]:
+        """The hex names of the first blocks held, most recently used first (at most ``limit``):
+        what a replica tells the router, so that a new session on a known document goes here."""
+        with self._lock:
+            found = [key.hex() for key, b in reversed(self._blocks.items()) if b.parent is None]
+        return found[:limit]
+
+    def stats(self) -> dict:
+        """What ``/metrics`` shows: bytes held (in all and per tenant), blocks, and the counters."""
+        with self._lock:
+            return {
+                "bytes": self.nbytes,
+                "blocks": len(self._blocks),
+                "bytes_by_tenant": dict(self.bytes_by_scope),
+                **{k: self.counters[k] for k in ("hits", "misses", "tokens_reused", "bytes_reused", "evictions")},
+                "blocks_added": self.counters["blocks_added"],
+            }
