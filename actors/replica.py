@@ -103,7 +103,12 @@ class WorkerReplica:
         torch.set_num_threads(max(1, int(cfg.cpus_per_replica)))
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         loaded = load_model(cfg.model, gguf_file=cfg.gguf_file, dtype=cfg.dtype)
-        engine = Engine(loaded, prefill_chunk=cfg.prefill_chunk, greedy_screen=cfg.greedy_screen)
+        engine = Engine(
+            loaded,
+            prefill_chunk=cfg.prefill_chunk,
+            greedy_screen=cfg.greedy_screen,
+            prefix_cache_bytes=cfg.prefix_cache_mib << 20,
+        )
         directory = SessionDirectory(redis_url, session_ttl_s=cfg.session_ttl_s)
         disk_dir = str(Path(cfg.data_dir) / "disk" / self.worker_id) if cfg.disk_tier_mib else None
         store = build_store(
@@ -129,6 +134,7 @@ class WorkerReplica:
             "sessions": len(self.worker.held),
             "draining": self.worker.draining,
             "ongoing": self.ongoing,
+            "prefix_roots": self.worker.engine.prefixes.roots() if self.worker.engine.prefixes is not None else [],
         }
 
     def check_health(self) -> None:

@@ -122,6 +122,7 @@ class Worker:
 
     def _new(self, req: TurnRequest) -> Session:
         session = self.engine.new_session(req.new_session.policy, req.new_session.recompress, req.session_id)
+        session.prefix_scope = req.tenant  # its first turn may start from the tenant's shared prefixes
         self.engine.check(session, req.tokens, req.sampling)  # a bad request writes nothing
         return session
 
@@ -240,6 +241,7 @@ class Worker:
             "draining": self.draining,
             **self.sessions.stats(),
             "batch": self.scheduler.load,
+            "prefixes": self.engine.prefixes.stats() if self.engine.prefixes is not None else {},
         }
 
 

@@ -11,6 +11,11 @@ no session header, greedy. Workloads (the same requests to both, in the same ord
   KV cache (VLLM_CPU_KVCACHE_SPACE) and for kvsnap's tiers (half on the device tier, half on the host).
 - ``decode``: --chats short prompts generating --decode-tokens each, all at once (decode tokens/s
   with that many sequences in the batch).
+- ``shared``: --chats chats over --shared-docs documents (shared documents for RAG): each chat
+  opens with its document and a question of its own, then asks one follow-up. Each document's
+  first chat goes first (all documents at once); then every other chat's first turn
+  (--in-flight at once), then every follow-up. Turn-1 TTFT of the first chat on a document
+  against the later ones on it (which a prefix cache serves), and follow-up TTFT.
 
 Per server and workload: wall time, turn-1 and follow-up TTFT (p50 / p90), prefill tokens/s
 (the first round's prompt tokens over that round's wall time), decode tokens/s, answers right
@@ -226,6 +231,51 @@ def decode_phase(server: Server, model: str, count: int, tokens: int) -> dict:
             "texts": [d.choices[0].message.content for d in done]}  # fmt: skip
 
 
+def shared_phase(server: Server, model: str, args) -> dict:
+    """The ``shared`` workload: first chats on each document, then the later ones, then follow-ups."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url, api_key=KEY, timeout=1800, max_retries=0)
+    per_doc = -(-args.chats // args.shared_docs)
+    docs = chats(model, args.shared_docs, per_doc + 1, args.doc_tokens, seed0=200)
+    chat_docs = [i % args.shared_docs for i in range(args.chats)]  # chat c reads document c % docs
+    nth = [c // args.shared_docs for c in range(args.chats)]  # its place among its document's chats
+    history: list[list[dict]] = [[] for _ in chat_docs]
+
+    def one(c: int, turn: int) -> dict:
+        doc = docs[chat_docs[c]]
+        fact = doc["facts"][nth[c] + turn]  # every chat on a document asks its own questions
+        text = f"{doc['document']}\n\n{fact.question}" if turn == 0 else fact.question
+        messages = history[c] + [{"role": "user", "content": text}]
+        got = ask(client, model, messages, args.max_tokens)
+        history[c] = messages + [{"role": "assistant", "content": got["text"]}]
+        right = fact.answer.lower() in got["text"].lower()
+        return got | {"chat": c, "turn": turn + 1, "first_on_doc": nth[c] == 0 and turn == 0, "right": right}
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max(args.in_flight, args.shared_docs)) as pool:
+        firsts = [c for c in range(args.chats) if nth[c] == 0]
+        rows = list(pool.map(lambda c: one(c, 0), firsts))
+    with ThreadPoolExecutor(args.in_flight) as pool:
+        rows += list(pool.map(lambda c: one(c, 0), [c for c in range(args.chats) if nth[c] > 0]))
+        rows += list(pool.map(lambda c: one(c, 1), range(args.chats)))
+    wall = time.perf_counter() - t0
+    first = [r["ttft_s"] for r in rows if r["first_on_doc"]]
+    later = [r["ttft_s"] for r in rows if r["turn"] == 1 and not r["first_on_doc"]]
+    follow = [r["ttft_s"] for r in rows if r["turn"] == 2]
+    rows.sort(key=lambda r: (r["chat"], r["turn"]))
+    return {
+        "wall_s": round(wall, 2),
+        "first_ttft_p50_s": round(statistics.median(first), 3),
+        "later_ttft_p50_s": round(statistics.median(later), 3),
+        "later_over_first": round(statistics.median(later) / statistics.median(first), 3),
+        "follow_up_ttft_p50_s": round(statistics.median(follow), 3),
+        "right": sum(r["right"] for r in rows),
+        "turns": len(rows),
+        "answers": [r["text"] for r in rows],
+    }
+
+
 def run_server(name: str, args, work: Path, folder: str) -> dict:
     out = {}
     for workload in args.workloads:
@@ -237,6 +287,8 @@ def run_server(name: str, args, work: Path, folder: str) -> dict:
         try:
             if workload == "decode":
                 out[workload] = decode_phase(server, args.model, args.chats, args.decode_tokens)
+            elif workload == "shared":
+                out[workload] = shared_phase(server, args.model, args)
             else:
                 count, turns = (args.pressure_chats, 2) if workload == "pressure" else (args.chats, args.turns)
                 convs = chats(args.model, count, turns, args.doc_tokens, seed0=100)
@@ -250,6 +302,7 @@ def run_server(name: str, args, work: Path, folder: str) -> dict:
 
 
 RATIOS = ("wall_s", "turn1_ttft_p50_s", "follow_up_ttft_p50_s", "prefill_tok_s", "decode_tok_s", "right")
+RATIOS += ("first_ttft_p50_s", "later_ttft_p50_s")  # the shared workload's
 
 
 def compare(vllm: dict, ours: dict) -> dict:
@@ -273,6 +326,7 @@ def main() -> None:
     ap.add_argument("--pressure-chats", type=int, default=24)
     ap.add_argument("--doc-tokens", type=int, default=2350)
     ap.add_argument("--in-flight", type=int, default=4)
+    ap.add_argument("--shared-docs", type=int, default=2, help="the shared workload's documents")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--kv-gib", type=float, default=1.0, help="the pressure case's KV memory, both servers")

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from kvsnap.actors.turns import SessionSpec, TurnRequest
 from kvsnap.engine.defaults import overlay
+from kvsnap.engine.prefixes import root_key
 from kvsnap.engine.sampling import SamplingParams
 from kvsnap.errors import (
     DeadlineExceeded,
@@ -232,7 +233,7 @@ class SessionAPI:
         ``streaming=False`` fetches the whole turn in one call (one Ray round trip instead of
         one per token). A replica that dies before the first event is retried (the router
         then moves the session)."""
-        tenant, sid, key = req.tenant, req.session_id, req.key
+        tenant, sid, key = req.tenant, req.session_id, self._route_key(req)
         started = time.perf_counter()
         first_token_at = None
         ids: list[int] = []
@@ -305,9 +306,9 @@ class SessionAPI:
         self.metrics.record_turn(report, time.perf_counter() - (first_token_at or started))
         prefilled = report["prompt_tokens"]  # this turn's new tokens plus the previous answer's last one
         timings = {k: report[k] for k in ("queue_s", "prefill_s", "reselect_s", "decode_s", "ttft_s")}
-        replayed = report.get("replayed_tokens", 0)
+        replayed, cached = report.get("replayed_tokens", 0), report.get("cached_tokens", 0)
         return TurnOutcome(
-            sid, text, ids, finish, prefilled, event["worker"], event["source"], event["state"], timings, replayed
+            sid, text, ids, finish, prefilled, event["worker"], event["source"], event["state"], timings, replayed, cached
         )
 
     async def collect(self, events: AsyncIterator[dict]) -> TurnOutcome:
@@ -315,6 +316,13 @@ class SessionAPI:
             if event.get("done"):
                 return event["outcome"]
         raise Unavailable("the worker ended the turn without a result")
+
+    def _route_key(self, req: TurnRequest) -> str:
+        """The router's tag of a turn: "<tenant>/<session>", and for a new session whose prompt
+        holds a whole prefill chunk, "#" and the name of that first block, so that the router
+        prefers a replica holding it as a shared prefix (engine/prefixes.py, service/routing.py)."""
+        root = root_key(req.tenant, req.tokens, self.cfg.prefill_chunk) if req.new_session is not None else None
+        return req.key if root is None or not self.cfg.prefix_cache_mib else f"{req.key}#{root}"
 
     async def _call(self, method: str, key: str, *args):
         """``method(*args)`` on the replica the router picks for ``key``: "<tenant>/<session>" (its

@@ -100,6 +100,13 @@ class ServiceConfig(BaseModel):
         "tokens (one chunk at least) between two decode steps, so a long document holds the sessions "
         "decoding beside it up for one chunk at a time",
     )
+    prefix_cache_mib: int = Field(
+        512,
+        ge=0,
+        description="shared prompt prefixes per replica (beside the device tier): the rows of a new session's "
+        "first whole prefill chunks, which the tenant's next sessions opening with the same tokens start from "
+        "(engine/prefixes.py); 0 = none",
+    )
     max_batch: int = Field(
         16,
         ge=1,

@@ -111,6 +111,7 @@ class KvsnapServicer(pb2_grpc.KvsnapServicer):
                         done=True,
                         finish_reason=o.finish_reason,
                         prompt_tokens=o.prompt_tokens,
+                        cached_tokens=o.cached_tokens,
                         completion_tokens=len(o.token_ids),
                         state=_state(state_view(o.state)),
                         worker=o.worker,

@@ -147,7 +147,7 @@ async def health(request: Request):
 
 @app.get("/metrics", summary="Prometheus metrics")
 async def metrics(request: Request):
-    body = await asyncio.to_thread(current(request.app).metrics.render)
+    body = await asyncio.to_thread(current(request.app).metrics.render, request.state.tenant)
     return Response(body, media_type="text/plain; version=0.0.4")
 
 
@@ -206,6 +206,7 @@ def _answer(outcome: TurnOutcome) -> dict:
         "text": outcome.text,
         "finish_reason": outcome.finish_reason,
         "prompt_tokens": outcome.prompt_tokens,
+        "cached_tokens": outcome.cached_tokens,
         "completion_tokens": len(outcome.token_ids),
         "worker": outcome.worker,
         "source": outcome.source,

@@ -38,7 +38,54 @@ class WorkerLoadCollector:
             rebuilds.add_metric([worker], stats.get("rebuilds", 0))
             hits.add_metric([worker], sum(v for k, v in stats.items() if k.startswith("hit_")))
         yield from (kv, sessions, moves, rebuilds, hits)
+        yield from _prefix_metrics(loads)
         yield from _batch_histograms(loads)
+
+
+def _prefix_metrics(loads: dict, tenant: str | None = None):
+    """Each worker's shared prompt prefixes (engine/prefixes.py): bytes held, lookups that found
+    a prefix and those that did not, and the tokens and bytes they did not compute. With a
+    ``tenant``: that tenant's own bytes only (a scrape never shows another tenant's)."""
+    if tenant is not None:
+        own = GaugeMetricFamily(
+            "kvsnap_prefix_tenant_bytes",
+            "bytes of the scraping tenant's shared prompt prefixes per worker",
+            labels=["worker", "tenant"],
+        )
+        for worker, stats in loads.items():
+            own.add_metric([worker, tenant], ((stats.get("prefixes") or {}).get("bytes_by_tenant") or {}).get(tenant, 0))
+        yield own
+        return
+    held = GaugeMetricFamily("kvsnap_prefix_bytes", "bytes of shared prompt prefixes held per worker", labels=["worker"])
+    names = {
+        "hits": "new sessions that started from a shared prefix",
+        "misses": "new sessions that found no shared prefix",
+        "tokens_reused": "prompt tokens taken from shared prefixes instead of prefilled",
+        "bytes_reused": "KV bytes taken from shared prefixes instead of computed",
+        "evictions": "shared prefix blocks evicted for the budget",
+    }
+    counters = {k: CounterMetricFamily(f"kvsnap_prefix_{k}", doc, labels=["worker"]) for k, doc in names.items()}
+    for worker, stats in loads.items():
+        prefixes = stats.get("prefixes") or {}
+        held.add_metric([worker], prefixes.get("bytes", 0))
+        for k, family in counters.items():
+            family.add_metric([worker], prefixes.get(k, 0))
+    yield held
+    yield from counters.values()
+
+
+class _TenantPrefixes:
+    """The collector of one scrape's tenant-scoped series."""
+
+    def __init__(self, loads, tenant: str):
+        self.loads, self.tenant = loads, tenant
+
+    def collect(self):
+        try:
+            loads = self.loads()
+        except Exception:  # Redis down: no worker numbers this scrape
+            loads = {}
+        yield from _prefix_metrics(loads, self.tenant)
 
 
 def _batch_histograms(loads: dict):
@@ -95,12 +142,17 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.cached_tokens = Counter(
+            "kvsnap_cached_prompt_tokens", "prompt tokens whose KV came from a shared prefix", registry=r
+        )
+        self.loads = loads
         if loads is not None:
             r.register(WorkerLoadCollector(loads))
 
     def record_turn(self, report: dict, decode_s: float) -> None:
         self.prompt_tokens.inc(report["prompt_tokens"])
         self.replayed_tokens.inc(report.get("replayed_tokens", 0))
+        self.cached_tokens.inc(report.get("cached_tokens", 0))
         self.kept_tokens.inc(report["kept_len"])
         self.generated_tokens.inc(report["generated_tokens"])
         if report["generated_tokens"] > 1:
@@ -109,5 +161,11 @@ class Metrics:
         if report.get("reselect_s"):
             self.reselect.observe(report["reselect_s"])
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, tenant: str | None = None) -> bytes:
+        """The text a scrape gets; with the scraping ``tenant``, its own tenant-scoped series too."""
+        body = generate_latest(self.registry)
+        if tenant is None or self.loads is None:
+            return body
+        own = CollectorRegistry()
+        own.register(_TenantPrefixes(self.loads, tenant))
+        return body + generate_latest(own)

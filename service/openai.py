@@ -280,6 +280,7 @@ async def _openai(events, request: Request, session: dict, chat: bool, stream: b
             "prompt_tokens": o.prompt_tokens,
             "completion_tokens": len(o.token_ids),
             "total_tokens": o.prompt_tokens + len(o.token_ids),
+            "prompt_tokens_details": {"cached_tokens": o.cached_tokens},  # from a shared prefix
         }
 
     def extra(o: TurnOutcome) -> dict:

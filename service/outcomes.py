@@ -31,6 +31,7 @@ class TurnOutcome:
     state: dict | None = None
     timings: dict = field(default_factory=dict)  # the worker's: queue / prefill / reselect / decode / ttft seconds
     replayed_tokens: int = 0  # tokens replayed to take the session back to a turn boundary (a rewind)
+    cached_tokens: int = 0  # of prompt_tokens, those whose KV came from a shared prefix (not prefilled)
 
 
 def as_kvsnap_error(exc: BaseException) -> KvsnapError:

@@ -10,6 +10,12 @@ first); the replica that gets the turn then imports or rebuilds the KV (a move,
 counted by the worker). ``session_id = "worker:<id>"`` addresses one replica
 (admin calls such as drain).
 
+A new session whose prompt holds a whole prefill chunk comes tagged
+``"<tenant>/<session>#<first block>"`` (service/api.py): the replicas that hold that block
+as a shared prefix (engine/prefixes.py; each replica lists its first blocks in its routing
+stats) or that this router last sent a session with it to (stats lag by a second) come
+first, least loaded first, unless overloaded or draining; the others follow by load.
+
 When Redis does not answer in time (a busy machine: the lookup runs on the ingress's event
 loop), the router sends the turn where it last saw the session go: the owner Redis last
 named, or the replica this router last routed one of the session's calls to (its open too,
@@ -49,12 +55,13 @@ class AffinityRouter(RequestRouter):
         self.affinity = affinity  # False: plain round-robin, the baseline the benchmark compares against
         # Routing stats lag by up to a second: sessions placed since then count as load too.
         self._placed: dict[str, deque[float]] = {}
+        self._roots: OrderedDict[str, str] = OrderedDict()  # a shared prefix's first block -> last replica sent
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         if pending_request is None or not candidate_replicas:
             return [candidate_replicas]
         pending_request.routing_context.should_backoff = True
-        key = pending_request.metadata.session_id or ""
+        key, _, root = (pending_request.metadata.session_id or "").partition("#")
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
 
         if key.startswith("worker:"):  # an admin call for one replica
@@ -76,14 +83,24 @@ class AffinityRouter(RequestRouter):
         live = [r for r in candidate_replicas if not self._draining(r)]
         random.shuffle(live)  # equal loads: no replica is always first
         ranked = sorted(live, key=self._load(live))
+        if root:  # a new session on a shared prefix: its holders first
+            ranked.sort(key=lambda r: not self._holds(r, root) or self._unfit(r))  # stable: by load within
         return [[r] for r in ranked] or [candidate_replicas]
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
-        key = pending_request.metadata.session_id or ""
+        key, _, root = (pending_request.metadata.session_id or "").partition("#")
         if self.affinity and "/" in key:  # where the session's KV will be once this call commits
-            self._remember(key, replica_id.unique_id)
+            self._remember(self._owners, key, replica_id.unique_id)
+        if self.affinity and root:  # where that prefix will be once this session's prefill runs
+            self._remember(self._roots, root, replica_id.unique_id)
         if getattr(pending_request.routing_context, "placing", False):
             self._placed.setdefault(replica_id.unique_id, deque()).append(time.monotonic())
+
+    def _holds(self, replica, root: str) -> bool:
+        """Whether ``replica`` holds the shared prefix whose first block is ``root``, by its last
+        report or by where this router last sent a session with it."""
+        rid = replica.replica_id.unique_id
+        return self._roots.get(root) == rid or root in ((replica.routing_stats or {}).get("prefix_roots") or ())
 
     async def _owner(self, key: str) -> str:
         tenant, _, session_id = key.partition("/")
@@ -93,14 +110,15 @@ class AffinityRouter(RequestRouter):
             log.warning("affinity router: owner lookup failed (%s); using the last known owner", exc)
             return self._owners.get(key, "")
         if owner:  # none yet (a session being opened): keep where its open was routed
-            self._remember(key, owner)
+            self._remember(self._owners, key, owner)
         return owner
 
-    def _remember(self, key: str, owner: str) -> None:
-        self._owners[key] = owner
-        self._owners.move_to_end(key)
-        while len(self._owners) > OWNER_CACHE_SIZE:
-            self._owners.popitem(last=False)
+    @staticmethod
+    def _remember(memory: OrderedDict, key: str, owner: str) -> None:
+        memory[key] = owner
+        memory.move_to_end(key)
+        while len(memory) > OWNER_CACHE_SIZE:
+            memory.popitem(last=False)
 
     def _queue_len(self, replica) -> int:
         cached = self.replica_queue_len_cache.get(replica.replica_id)

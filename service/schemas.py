@@ -101,6 +101,7 @@ class TurnAnswer(BaseModel):
     text: str
     finish_reason: str
     prompt_tokens: int = Field(description="tokens prefilled by this turn")
+    cached_tokens: int = Field(0, description="of prompt_tokens, those whose KV came from a shared prefix")
     completion_tokens: int
     worker: str = Field(description="replica that served the turn")
     source: str = Field(description="where the KV came from: device/host/disk/imported/rebuilt/new")

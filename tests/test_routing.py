@@ -89,3 +89,21 @@ def test_round_robin_remembers_nothing(router):
     assert sorted(ranked) == [["a"], ["b"]]
     router.on_request_routed(pending, a.replica_id, None)
     assert router._owners == {}
+
+
+def test_a_new_session_on_a_shared_prefix_goes_to_a_replica_holding_it(router):
+    a, b, c = replica("a", kv_bytes=5 << 20, sessions=1), replica("b"), replica("c", kv_bytes=1 << 20, sessions=1)
+    a.routing_stats["prefix_roots"] = ["doc1"]
+    assert choose(router, "t/s1#doc1", [a, b, c])[1] == [["a"], ["b"], ["c"]]  # the holder, then by load
+    assert choose(router, "t/s2#doc2", [a, b, c])[1] == [["b"], ["c"], ["a"]]  # nobody holds it: by load
+    a.routing_stats["ongoing"] = 8  # overloaded: the holder goes last among equals by load
+    assert choose(router, "t/s3#doc1", [a, b, c])[1][0] == ["b"]
+
+
+def test_a_prefix_placed_a_moment_ago_draws_the_next_session_before_any_report(router):
+    a, b = replica("a"), replica("b")
+    pending, _ = choose(router, "t/s1#doc1", [a, b])
+    router.on_request_routed(pending, b.replica_id, None)  # the document's first chat went to b
+    b.routing_stats.update(kv_bytes=1 << 20, sessions=1)  # b's report does not list the prefix yet
+    assert choose(router, "t/s2#doc1", [a, b])[1][0] == ["b"]
+    assert router._owners["t/s1"] == "b"  # the session itself is remembered without the tag
