@@ -24,9 +24,12 @@ import hashlib
 import threading
 from array import array
 from collections import Counter, OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+COUNTERS = ("hits", "misses", "tokens_reused", "bytes_reused", "blocks_added", "evictions")
 
 
 @dataclass(slots=True, eq=False)
@@ -69,17 +72,17 @@ class PrefixCache:
         self._lock = threading.Lock()
         self.nbytes = 0
         self.bytes_by_scope: Counter[str] = Counter()
-        self.counters: Counter[str] = Counter()  # hits, misses, tokens_reused, bytes_reused, blocks_added, evictions
+        self.counters: Counter[str] = Counter()  # COUNTERS
 
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def _keys(self, scope: str, tokens: list[int], blocks: int) -> list[bytes]:
-        keys, parent = [], None
+    def _keys(self, scope: str, tokens: list[int], blocks: int) -> Iterator[bytes]:
+        """The keys of the first ``blocks`` blocks of ``tokens``, made as they are read."""
+        parent = None
         for j in range(blocks):
             parent = block_key(scope, parent, tokens[j * self.block : (j + 1) * self.block])
-            keys.append(parent)
-        return keys
+            yield parent
 
     def lookup(self, scope: str, tokens: list[int], limit: int) -> list[Block]:
         """The blocks of the longest known prefix of ``tokens`` no longer than ``limit`` tokens
@@ -105,7 +108,7 @@ class PrefixCache:
         if n < 1 or len(tokens) % self.block:
             raise ValueError(f"a prefix block ends on a multiple of {self.block} tokens, not {len(tokens)}")
         nbytes = sum(t.numel() * t.element_size() for kv in rows for t in kv)
-        keys = self._keys(scope, tokens, n)
+        keys = list(self._keys(scope, tokens, n))
         with self._lock:
             parent = self._blocks.get(keys[-2]) if n > 1 else None
             if keys[-1] in self._blocks or (n > 1 and parent is None) or nbytes > self.budget:
@@ -159,6 +162,5 @@ class PrefixCache:
                 "bytes": self.nbytes,
                 "blocks": len(self._blocks),
                 "bytes_by_tenant": dict(self.bytes_by_scope),
-                **{k: self.counters[k] for k in ("hits", "misses", "tokens_reused", "bytes_reused", "evictions")},
-                "blocks_added": self.counters["blocks_added"],
+                **{k: self.counters[k] for k in COUNTERS},
             }

@@ -306,10 +306,10 @@ class SessionAPI:
         self.metrics.record_turn(report, time.perf_counter() - (first_token_at or started))
         prefilled = report["prompt_tokens"]  # this turn's new tokens plus the previous answer's last one
         timings = {k: report[k] for k in ("queue_s", "prefill_s", "reselect_s", "decode_s", "ttft_s")}
-        replayed, cached = report.get("replayed_tokens", 0), report.get("cached_tokens", 0)
-        return TurnOutcome(
-            sid, text, ids, finish, prefilled, event["worker"], event["source"], event["state"], timings, replayed, cached
-        )
+        state = event["state"]
+        return TurnOutcome(sid, text, ids, finish, prefilled, event["worker"], event["source"], state, timings,
+                           replayed_tokens=report.get("replayed_tokens", 0),
+                           cached_tokens=report.get("cached_tokens", 0))  # fmt: skip
 
     async def collect(self, events: AsyncIterator[dict]) -> TurnOutcome:
         async for event in events:
@@ -321,8 +321,10 @@ class SessionAPI:
         """The router's tag of a turn: "<tenant>/<session>", and for a new session whose prompt
         holds a whole prefill chunk, "#" and the name of that first block, so that the router
         prefers a replica holding it as a shared prefix (engine/prefixes.py, service/routing.py)."""
-        root = root_key(req.tenant, req.tokens, self.cfg.prefill_chunk) if req.new_session is not None else None
-        return req.key if root is None or not self.cfg.prefix_cache_mib else f"{req.key}#{root}"
+        if req.new_session is None or not self.cfg.prefix_cache_mib:
+            return req.key
+        root = root_key(req.tenant, req.tokens, self.cfg.prefill_chunk)
+        return req.key if root is None else f"{req.key}#{root}"
 
     async def _call(self, method: str, key: str, *args):
         """``method(*args)`` on the replica the router picks for ``key``: "<tenant>/<session>" (its

@@ -20,10 +20,7 @@ class WorkerLoadCollector:
         self.loads = loads  # () -> {worker_id: stats dict}
 
     def collect(self):
-        try:
-            loads = self.loads()
-        except Exception:  # Redis down: no worker numbers this scrape
-            loads = {}
+        loads = _read(self.loads)
         kv = GaugeMetricFamily("kvsnap_kv_bytes", "KV bytes held per worker and tier", labels=["worker", "tier"])
         sessions = GaugeMetricFamily("kvsnap_sessions", "sessions per worker and tier", labels=["worker", "tier"])
         moves = CounterMetricFamily("kvsnap_session_moves", "sessions moved onto a worker", labels=["worker"])
@@ -42,21 +39,20 @@ class WorkerLoadCollector:
         yield from _batch_histograms(loads)
 
 
-def _prefix_metrics(loads: dict, tenant: str | None = None):
+def _read(loads) -> dict:
+    """``loads()``, or nothing when Redis does not answer (no worker numbers this scrape)."""
+    try:
+        return loads()
+    except Exception:
+        return {}
+
+
+def _prefix_metrics(loads: dict):
     """Each worker's shared prompt prefixes (engine/prefixes.py): bytes held, lookups that found
-    a prefix and those that did not, and the tokens and bytes they did not compute. With a
-    ``tenant``: that tenant's own bytes only (a scrape never shows another tenant's)."""
-    if tenant is not None:
-        own = GaugeMetricFamily(
-            "kvsnap_prefix_tenant_bytes",
-            "bytes of the scraping tenant's shared prompt prefixes per worker",
-            labels=["worker", "tenant"],
-        )
-        for worker, stats in loads.items():
-            own.add_metric([worker, tenant], ((stats.get("prefixes") or {}).get("bytes_by_tenant") or {}).get(tenant, 0))
-        yield own
-        return
-    held = GaugeMetricFamily("kvsnap_prefix_bytes", "bytes of shared prompt prefixes held per worker", labels=["worker"])
+    a prefix and those that did not, and the tokens and bytes they did not compute."""
+    held = GaugeMetricFamily(
+        "kvsnap_prefix_bytes", "bytes of shared prompt prefixes held per worker", labels=["worker"]
+    )
     names = {
         "hits": "new sessions that started from a shared prefix",
         "misses": "new sessions that found no shared prefix",
@@ -75,17 +71,22 @@ def _prefix_metrics(loads: dict, tenant: str | None = None):
 
 
 class _TenantPrefixes:
-    """The collector of one scrape's tenant-scoped series."""
+    """One scrape's tenant-scoped series: that tenant's own shared-prefix bytes per worker (a
+    scrape never shows another tenant's)."""
 
     def __init__(self, loads, tenant: str):
         self.loads, self.tenant = loads, tenant
 
     def collect(self):
-        try:
-            loads = self.loads()
-        except Exception:  # Redis down: no worker numbers this scrape
-            loads = {}
-        yield from _prefix_metrics(loads, self.tenant)
+        own = GaugeMetricFamily(
+            "kvsnap_prefix_tenant_bytes",
+            "bytes of the scraping tenant's shared prompt prefixes per worker",
+            labels=["worker", "tenant"],
+        )
+        for worker, stats in _read(self.loads).items():
+            by_tenant = (stats.get("prefixes") or {}).get("bytes_by_tenant") or {}
+            own.add_metric([worker, self.tenant], by_tenant.get(self.tenant, 0))
+        yield own
 
 
 def _batch_histograms(loads: dict):
