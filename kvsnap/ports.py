@@ -12,7 +12,9 @@ Nothing but Ray Serve's direct ingress: each ingress replica of every local Serv
 ports of its own from fixed ranges (HTTP 30000-31000, gRPC 40000-41000 by default), so a port
 drawn there can be taken by another local service's replica before this one binds it; a client
 of this service then reaches the other one (a test suite saw its own API key refused, HTTP 401).
-Those ranges are never drawn.
+Those ranges are never drawn, nor the ranges an ancestor process drew for its own local Serve
+app (RESERVED_ENV): a replica binds its port with SO_REUSEPORT, so a grandchild's replica on a
+port of its grandparent's range shares it, and the kernel splits the connections between them.
 """
 
 from __future__ import annotations
@@ -42,16 +44,39 @@ DIRECT_INGRESS_ENV = {
     for proto, _, _ in DIRECT_INGRESS
 }
 
+# "low-high,low-high": the replica port ranges this process's ancestors drew (and it inherited),
+# each process adding the ones it was given before it draws its own
+RESERVED_ENV = "KVSNAP_RESERVED_PORT_RANGES"
+
 
 def serve_replica_ports() -> list[range]:
-    """The port ranges Ray Serve's direct ingress hands its replicas: its defaults, and the
-    ranges a local Ray is given (DIRECT_INGRESS_ENV)."""
+    """The port ranges Ray Serve's direct ingress hands its replicas: its defaults, the ranges a
+    local Ray is given (DIRECT_INGRESS_ENV) and the ones this process's ancestors drew (RESERVED_ENV)."""
     ranges = [range(low, high + 1) for _, low, high in DIRECT_INGRESS]
     for low_key, high_key in DIRECT_INGRESS_ENV.values():
         try:
             ranges.append(range(int(os.environ[low_key]), int(os.environ[high_key]) + 1))
         except (KeyError, ValueError):
             continue
+    return ranges + _reserved(os.environ.get(RESERVED_ENV, ""))
+
+
+def reserve_inherited() -> str:
+    """RESERVED_ENV's value for a process about to draw replica ranges of its own: the reserved
+    ranges it inherited plus the DIRECT_INGRESS_ENV ranges it was given, so that none of its
+    descendants draws a range an ancestor's Serve app may still use."""
+    ranges = {(r.start, r.stop - 1) for r in serve_replica_ports()[len(DIRECT_INGRESS) :]}
+    return ",".join(f"{low}-{high}" for low, high in sorted(ranges))
+
+
+def _reserved(value: str) -> list[range]:
+    ranges = []
+    for item in filter(None, value.split(",")):
+        low, _, high = item.partition("-")
+        try:
+            ranges.append(range(int(low), int(high) + 1))
+        except ValueError:
+            continue  # a hand-edited value: the entries that parse still count
     return ranges
 
 

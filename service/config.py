@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvsnap.errors import InvalidArgument
-from kvsnap.ports import DIRECT_INGRESS_ENV, free_block, free_port
+from kvsnap.ports import DIRECT_INGRESS_ENV, RESERVED_ENV, free_block, free_port, reserve_inherited
 
 
 class PolicyDefaults(BaseModel):
@@ -268,11 +268,12 @@ HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_P
 AUTO_PORTS_ENV = "KVSNAP_DRAWN_PORTS"
 
 # Serve's direct ingress gives each ingress replica ports from fixed ranges (HTTP 30000-31000,
-# gRPC 40000-41000), the same ones for every local Ray: a replica that finds its port held by
-# another local service's replica moves on to the next port, and HAProxy, told the first, sent
-# this service's requests to the other one (a test suite's own key refused: HTTP 401). A local
-# Ray started by kvsnap gets ranges of its own, drawn (and drawn again in a child) like the
-# HAProxy ports; ranges the user set are kept.
+# gRPC 40000-41000), the same ones for every local Ray, and a replica binds its port with
+# SO_REUSEPORT: two local services' replicas on one port share it, the kernel splits the
+# connections, and half of this service's requests reach the other one (a test suite's own key
+# refused: HTTP 401). A local Ray started by kvsnap gets ranges of its own, drawn (and drawn
+# again in a child) like the HAProxy ports, never one an ancestor drew (RESERVED_ENV: the suite
+# under pytest, a phase under the suite); ranges the user set are kept.
 DIRECT_INGRESS_RANGE_ENV = DIRECT_INGRESS_ENV  # protocol -> (first port's variable, last port's)
 DIRECT_INGRESS_BLOCK = 64  # ports per range: ingress replicas of one service on one node
 
@@ -294,11 +295,17 @@ def ray_environment(fast_path: bool = True) -> dict[str, str]:
         return added
     added |= {k: v for k, v in FAST_PATH_ENV.items() if k not in os.environ}
     drawn = set(os.environ.get(AUTO_PORTS_ENV, "").split(","))
-    ports = {k: str(free_port()) for k in HAPROXY_PORT_ENV if k not in os.environ or f"{k}={os.environ[k]}" in drawn}
-    for low_key, high_key in DIRECT_INGRESS_RANGE_ENV.values():
-        if low_key not in os.environ or f"{low_key}={os.environ[low_key]}" in drawn:
-            low = free_block(DIRECT_INGRESS_BLOCK)
-            ports |= {low_key: str(low), high_key: str(low + DIRECT_INGRESS_BLOCK - 1)}
+
+    def ours(key: str) -> bool:  # unset, or drawn by kvsnap (here or in an ancestor): drawn again
+        return key not in os.environ or f"{key}={os.environ[key]}" in drawn
+
+    ports = {k: str(free_port()) for k in HAPROXY_PORT_ENV if ours(k)}
+    redraw = [(low, high) for low, high in DIRECT_INGRESS_RANGE_ENV.values() if ours(low)]
+    if redraw and (reserved := reserve_inherited()):  # an ancestor's ranges: never a descendant's
+        os.environ[RESERVED_ENV] = added[RESERVED_ENV] = reserved
+    for low_key, high_key in redraw:
+        low = free_block(DIRECT_INGRESS_BLOCK)
+        ports |= {low_key: str(low), high_key: str(low + DIRECT_INGRESS_BLOCK - 1)}
     added |= ports
     if ports:
         added[AUTO_PORTS_ENV] = ",".join(f"{k}={v}" for k, v in ports.items())

