@@ -59,6 +59,7 @@ def test_ray_environment_sets_the_data_path_unless_told_otherwise(monkeypatch):
     import importlib.util
     import os
 
+    from kvsnap.ports import RESERVED_ENV
     from kvsnap.service.config import (
         AUTO_PORTS_ENV,
         DIRECT_INGRESS_BLOCK,
@@ -68,7 +69,6 @@ def test_ray_environment_sets_the_data_path_unless_told_otherwise(monkeypatch):
         STARTUP_ENV,
         ray_environment,
     )
-    from kvsnap.ports import RESERVED_ENV
 
     ranges = [k for pair in DIRECT_INGRESS_RANGE_ENV.values() for k in pair]
     for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV, *ranges, AUTO_PORTS_ENV, *STARTUP_ENV, RESERVED_ENV):
