@@ -237,14 +237,14 @@ def shared_phase(server: Server, model: str, args) -> dict:
 
     client = openai.OpenAI(base_url=server.url, api_key=KEY, timeout=1800, max_retries=0)
     per_doc = -(-args.chats // args.shared_docs)
-    docs = chats(model, args.shared_docs, per_doc + 1, args.doc_tokens, seed0=200)
+    docs = chats(model, args.shared_docs, min(per_doc + 1, 8), args.doc_tokens, seed0=200)  # 8 facts at most
     chat_docs = [i % args.shared_docs for i in range(args.chats)]  # chat c reads document c % docs
     nth = [c // args.shared_docs for c in range(args.chats)]  # its place among its document's chats
     history: list[list[dict]] = [[] for _ in chat_docs]
 
     def one(c: int, turn: int) -> dict:
         doc = docs[chat_docs[c]]
-        fact = doc["facts"][nth[c] + turn]  # every chat on a document asks its own questions
+        fact = doc["facts"][(nth[c] + turn) % len(doc["facts"])]  # its own questions, where there are enough
         text = f"{doc['document']}\n\n{fact.question}" if turn == 0 else fact.question
         messages = history[c] + [{"role": "user", "content": text}]
         got = ask(client, model, messages, args.max_tokens)
