@@ -167,6 +167,10 @@ class WorkerReplica:
     def delete(self, tenant: str, session_id: str) -> None:
         self.worker.delete(tenant, session_id)
 
+    def hold_prefix(self, tenant: str, tokens: list[int]) -> dict:
+        """A registered document's whole chunks into this replica's shared prefixes."""
+        return {"shared_tokens": self.worker.hold_prefix(tenant, tokens), "worker": self.worker_id}
+
     def drain(self, worker_id: str, resume_after_s: float) -> int:
         """Drain this replica; the router sends the call to ``worker_id`` only, and a call that
         lands elsewhere (that replica just went away) drains nothing."""

@@ -120,6 +120,22 @@ class Worker:
     def turn(self, tenant: str, session_id: str, tokens: list[int], sampling: SamplingParams, **logged) -> TurnResult:
         return self.run(TurnRequest(tenant, session_id, tokens, sampling, **logged))
 
+    def hold_prefix(self, tenant: str, tokens: list[int]) -> int:
+        """Prefill the whole prefill chunks of ``tokens`` (a registered document's, one token left
+        over for a session's own first query) into the tenant's shared prefixes, through the batch
+        like any turn, on a session nobody holds; returns the tokens now shared (0: no prefix cache)."""
+        prefixes = self.engine.prefixes
+        if prefixes is None:
+            return 0
+        n = (len(tokens) - 1) // prefixes.block * prefixes.block
+        if n and prefixes.known(tenant, tokens[:n]) < n:
+            session = self.engine.new_session("full", "never")
+            session.prefix_scope = tenant
+            job = self.scheduler.submit(self.engine.start(session, tokens[:n], None))
+            for _ in job:  # raises the turn's error, if any
+                pass
+        return prefixes.known(tenant, tokens[:n])
+
     def _new(self, req: TurnRequest) -> Session:
         session = self.engine.new_session(req.new_session.policy, req.new_session.recompress, req.session_id)
         session.prefix_scope = req.tenant  # its first turn may start from the tenant's shared prefixes

@@ -100,6 +100,17 @@ class PrefixCache:
             self.counters["bytes_reused"] += sum(b.nbytes for b in found)
         return found
 
+    def known(self, scope: str, tokens: list[int]) -> int:
+        """How many of ``tokens``' first tokens the held blocks cover (no hit or miss counted,
+        nothing touched): what a registered document has here now."""
+        n = 0
+        with self._lock:
+            for key in self._keys(scope, tokens, len(tokens) // self.block):
+                if key not in self._blocks:
+                    break
+                n += self.block
+        return n
+
     def add(self, scope: str, tokens: list[int], rows: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Hold ``rows`` (every layer's, of the last block of ``tokens``, whose length is a whole
         number of blocks; the caller's own copies) as that block. False when it is known already,

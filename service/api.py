@@ -128,7 +128,7 @@ class SessionAPI:
         log = [{"role": "document", "content": document}]
         tokens = self.tokens(log, first=True)
         outcome = await self.collect(self.open_session(tenant, sid, protocol, tokens, settings, None, log, None, False))
-        return state_view(outcome.state)
+        return state_view(outcome.state) | {"cached_tokens": outcome.cached_tokens}
 
     def turn(
         self,

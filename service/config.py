@@ -119,6 +119,7 @@ class ServiceConfig(BaseModel):
         "of the few candidates (engine/head.py); null: on for a large fp32 head on a CPU with bf16 kernels",
     )
     max_prompt_tokens: int = Field(16384, ge=1, description="most tokens one request may add")
+    max_documents: int = Field(1000, ge=0, description="registered documents (POST /v1/documents) per tenant")
     max_body_bytes: int = Field(4 << 20, ge=1024, description="largest request body")
     max_new_tokens: int = Field(1024, ge=1, description="most tokens one turn may generate")
     default_max_tokens: int = Field(128, ge=1, description="tokens generated when a request names none")

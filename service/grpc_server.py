@@ -83,14 +83,10 @@ class KvsnapServicer(pb2_grpc.KvsnapServicer):
 
     # The handlers raise kvsnap errors; kvsnap_handlers (below) turns them into statuses, in one place.
     async def CreateSession(self, request, context):
-        view = await self.api.create(
-            self._tenant(context),
-            request.session_id or None,
-            request.document,
-            _settings(request.settings, self.api.defaults["policy"]),
-            "grpc",
-        )
-        return _state(view)
+        tenant = self._tenant(context)
+        text = await self.ingress.documents.text_of(tenant, request.document, request.document_id)
+        settings = _settings(request.settings, self.api.defaults["policy"])
+        return _state(await self.api.create(tenant, request.session_id or None, text, settings, "grpc"))
 
     async def Turn(self, request, context):
         events = self.api.turn(
@@ -125,6 +121,20 @@ class KvsnapServicer(pb2_grpc.KvsnapServicer):
 
     async def DeleteSession(self, request, context):
         await self.api.delete(self._tenant(context), request.session_id)
+        return pb2.DeleteResponse(deleted=True)
+
+    async def CreateDocument(self, request, context):
+        return pb2.Document(**await self.ingress.documents.add(self._tenant(context), request.document))
+
+    async def GetDocument(self, request, context):
+        return pb2.Document(**await self.ingress.documents.get(self._tenant(context), request.document_id))
+
+    async def ListDocuments(self, request, context):
+        found = await self.ingress.documents.list(self._tenant(context))
+        return pb2.DocumentList(documents=[pb2.Document(**d) for d in found])
+
+    async def DeleteDocument(self, request, context):
+        await self.ingress.documents.delete(self._tenant(context), request.document_id)
         return pb2.DeleteResponse(deleted=True)
 
 

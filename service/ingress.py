@@ -25,12 +25,13 @@ from kvsnap.store.directory import SessionDirectory
 from .api import DRAIN_RESUME_S, SessionAPI
 from .auth import ADMIN, ADMIN_PREFIX, OPEN_PATHS, check_admin, tenant_for
 from .config import ServiceConfig
+from .documents import Documents
 from .grpc_server import start_grpc_server
 from .metrics import Metrics
 from .openai import router as openai_router
 from .outcomes import TurnOutcome, state_view
 from .responses import api_of, current, final, served, sse
-from .schemas import CreateSession, SessionState, Turn, TurnAnswer
+from .schemas import CreateDocument, CreateSession, DocumentInfo, SessionState, Turn, TurnAnswer
 from .status import error_body, http_status, retry_after
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ app.include_router(openai_router)
 
 def _route_label(path: str) -> str:
     parts = path.strip("/").split("/")
-    if len(parts) >= 3 and parts[1] == "sessions":
+    if len(parts) >= 3 and parts[1] in ("sessions", "documents"):
         parts[2] = "{id}"
     return "/" + "/".join(parts)
 
@@ -153,9 +154,32 @@ async def metrics(request: Request):
 
 @app.post("/v1/sessions", status_code=201, response_model=SessionState, summary="open a session with a document")
 async def create_session(body: CreateSession, request: Request):
-    return await api_of(request).create(
-        request.state.tenant, body.session_id, body.document, body.settings.model_dump(), "http"
-    )
+    tenant = request.state.tenant
+    text = await current(request.app).documents.text_of(tenant, body.document, body.document_id)
+    return await api_of(request).create(tenant, body.session_id, text, body.settings.model_dump(), "http")
+
+
+@app.post("/v1/documents", status_code=201, response_model=DocumentInfo, response_model_exclude_none=True,
+          summary="register a shared document: prefilled once, each session on it starts from it")  # fmt: skip
+async def create_document(body: CreateDocument, request: Request):
+    return await current(request.app).documents.add(request.state.tenant, body.document)
+
+
+@app.get("/v1/documents", summary="the tenant's documents")
+async def list_documents(request: Request):
+    return {"documents": await current(request.app).documents.list(request.state.tenant)}
+
+
+@app.get("/v1/documents/{document_id}", response_model=DocumentInfo, response_model_exclude_none=True,
+         summary="a document, with its text")  # fmt: skip
+async def get_document(document_id: str, request: Request):
+    return await current(request.app).documents.get(request.state.tenant, document_id)
+
+
+@app.delete("/v1/documents/{document_id}", status_code=204, summary="delete a document's record")
+async def delete_document(document_id: str, request: Request):
+    await current(request.app).documents.delete(request.state.tenant, document_id)
+    return Response(status_code=204)
 
 
 @app.post(
@@ -226,6 +250,7 @@ class Ingress:
         self.api = SessionAPI(
             self.cfg, workers, tokenizer_for(self.cfg.model, self.cfg.gguf_file), self.directory, self.metrics
         )
+        self.documents = Documents(self.api, self.cfg.max_documents)
         self.grpc = None
         if self.cfg.grpc_port:
             self.grpc = await start_grpc_server(self, f"{self.cfg.http_host}:{self.cfg.grpc_port}")

@@ -71,8 +71,25 @@ class CreateSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     session_id: str | None = Field(None, description="your id for the session (default: one is made)")
-    document: str = Field(..., description="the long context, prefilled once and compressed")
+    document: str | None = Field(None, description="the long context, prefilled once and compressed")
+    document_id: str | None = Field(None, description="a registered document (POST /v1/documents) instead")
     settings: Settings = Field(default_factory=Settings)
+
+
+class CreateDocument(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    document: str = Field(..., description="the text: a shared prefix every session on it starts from")
+
+
+class DocumentInfo(BaseModel):
+    document_id: str
+    tokens: int = Field(..., description="the tokens a session on it opens with")
+    created: float = Field(..., description="when it was registered (Unix time)")
+    text: str | None = None
+    shared_tokens: int | None = Field(None, description="of them, those held as shared rows on worker now")
+    worker: str | None = None
+    new: bool | None = Field(None, description="false: the tenant had registered this text already")
 
 
 class Turn(SamplingFields):
@@ -94,6 +111,7 @@ class SessionState(BaseModel):
     version: int
     created: float
     last_used: float
+    cached_tokens: int | None = Field(None, description="when opened: of its document's tokens, those shared rows gave")
 
 
 class TurnAnswer(BaseModel):

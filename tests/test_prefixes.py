@@ -9,7 +9,7 @@ import torch
 
 from kvsnap.engine import Engine, SamplingParams
 from kvsnap.engine.cache import export_kv
-from kvsnap.engine.prefixes import PrefixCache
+from kvsnap.engine.prefixes import PrefixCache, root_key
 from kvsnap.policies import make_policy
 
 from .conftest import random_tokens
@@ -86,6 +86,9 @@ def test_one_tenants_prefix_never_serves_another(sharing):
     assert got.report.cached_tokens == 0
     held = sharing.prefixes.stats()["bytes_by_tenant"]
     assert set(held) == {"acme", "globex"} and held["acme"] == held["globex"]
+    # nor by timing: the work is the same as for a text nobody sent (a miss), and the router's tag
+    # (the first block's name) is the tenant's own, so another's document steers no placement
+    assert root_key("acme", DOCUMENT, 16) != root_key("globex", DOCUMENT, 16)
 
 
 def test_each_block_holds_the_rows_its_layers_keep(sharing):
@@ -116,6 +119,9 @@ def test_the_budget_evicts_least_recently_used_leaves_first():
     assert cache.stats()["evictions"] == 1
     assert len(cache.lookup("t", a, limit=5)) == 2  # only whole blocks within the limit
     assert cache.lookup("u", a, limit=6) == []  # another scope
+    counted = cache.stats()
+    assert cache.known("t", a) == 6 and cache.known("t", [1, 2, 7, 7]) == 2 and cache.known("u", a) == 0
+    assert cache.stats() == counted  # a look that is no hit or miss
     with pytest.raises(ValueError):
         cache.add("t", [1, 2, 3], rows(6, 16))
 
@@ -123,3 +129,26 @@ def test_the_budget_evicts_least_recently_used_leaves_first():
 def test_a_block_larger_than_the_budget_is_not_held():
     cache = PrefixCache(block=2, budget_bytes=16)
     assert not cache.add("t", [1, 2], rows(1, 16)) and cache.nbytes == 0 and len(cache) == 0
+
+
+def test_sessions_on_one_document_hold_one_shared_copy_and_their_own_rows(sharing, directory_factory):
+    """KV held for N sessions on one document (measured from the tiers and the prefix cache):
+    one copy of the document's blocks, however many sessions, and each session's own
+    compressed rows."""
+    from kvsnap.actors.worker import Worker
+    from kvsnap.store.tiers import build_store
+
+    worker = Worker(sharing, directory_factory(), build_store(10**9, 10**9), "w1")
+    shared, own = [], []
+    questions = [q[:9] for q in QUESTIONS]  # each prompt 59 tokens: the document's three blocks and its own rest
+    for i, question in enumerate(questions):
+        opened = worker.open("acme", f"s{i}", DOCUMENT + question, snapkv(), sampling=GREEDY)
+        assert opened.report.cached_tokens == (0 if i == 0 else 48)
+        shared.append(sharing.prefixes.stats()["bytes"])
+        own.append(worker.store.peek(f"acme/s{i}").nbytes)
+    per_block = shared[0] // 3
+    assert shared == [3 * per_block] * len(questions)  # the document's three blocks, held once
+    assert sum(worker.store.bytes_by_tier().values()) == sum(own)  # the tiers: the sessions' own rows only
+    full = per_block // 16 * (len(DOCUMENT) + 9)  # a block holds 16 rows of every layer
+    assert max(own) < full  # each session holds its compressed rows, not the document's full KV
+    worker.stop()

@@ -239,3 +239,34 @@ def test_a_stream_closed_before_it_ran_frees_its_session(llama_engine, directory
     with pytest.raises(Conflict):
         worker.stream(TurnRequest("acme", "s", QUESTIONS[2], SAMPLING))
     assert len(list(later)) == SAMPLING.max_new_tokens
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "reselect"])
+def test_a_session_started_from_a_shared_prefix_survives_kill_wipe_and_drain(
+    spec, tiny_engine, directory_factory, twin
+):
+    """A session whose document came from another session's shared rows (engine/prefixes.py)
+    answers after a replica kill, a Redis wipe and a drain like a twin that prefilled it alone."""
+    from kvsnap.engine import Engine
+
+    want, want_kv, _ = twin(spec)
+    sharing = Engine(tiny_engine.loaded, prefill_chunk=tiny_engine.prefill_chunk, prefix_cache_bytes=64 << 20)
+    directory = directory_factory()
+    first = make_worker(sharing, directory, "w1")
+    first.open("acme", "seed", DOCUMENT, make_policy("full"))  # leaves the document's blocks behind
+    make, recompress = POLICIES[spec]
+    opened = first.open("acme", "s", DOCUMENT, make(), recompress, SAMPLING)
+    assert opened.report.cached_tokens == len(DOCUMENT) // tiny_engine.prefill_chunk * tiny_engine.prefill_chunk > 0
+    run_turns(first, "s", BEFORE)
+    first.stop()
+    second = make_worker(tiny_engine, directory, "w2")  # a replica kill: rebuilt from the log alone
+    got = run_turns(second, "s", AFTER[:1])
+    wiped = list(directory.client.scan_iter(match=f"{directory.prefix}:*"))
+    assert got[0][1] == "rebuilt" and directory.client.delete(*wiped)
+    second.heartbeat()  # Redis wiped: the holder writes the session back
+    assert second.drain() == 1  # and hands it over
+    third = make_worker(tiny_engine, directory, "w3")
+    got += run_turns(third, "s", AFTER[1:])
+    assert got[1][1] == "imported"
+    assert [tokens for tokens, _ in got] == want
+    assert_same_kv(stored_kv(third, "s"), want_kv)

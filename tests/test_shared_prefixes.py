@@ -32,7 +32,7 @@ def metric_values(service, name: str, key: str = "key-alpha") -> dict[str, float
 
 
 def test_chats_on_one_document_start_from_the_first_ones_rows(service):
-    doc = f"{DOCUMENT} Manifest {uuid.uuid4().hex}."  # a document no earlier test sent
+    doc = f"Manifest {uuid.uuid4().hex}. {DOCUMENT}"  # no earlier test sent its first chunk
     first = chat(service, "key-alpha", doc, QUESTIONS[0])
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     later = chat(service, "key-alpha", doc, QUESTIONS[1])
@@ -48,7 +48,7 @@ def test_chats_on_one_document_start_from_the_first_ones_rows(service):
 
 
 def test_metrics_show_shared_prefixes_and_a_tenant_only_its_own(service):
-    doc = f"{DOCUMENT} Ledger {uuid.uuid4().hex}."
+    doc = f"Ledger {uuid.uuid4().hex}. {DOCUMENT}"
     for q in QUESTIONS:
         chat(service, "key-alpha", doc, q)
     deadline = time.monotonic() + 60  # workers publish their numbers with their heartbeat (2 s)
