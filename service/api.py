@@ -106,6 +106,13 @@ class SessionAPI:
     def tokens(self, messages: list[dict], first: bool) -> list[int]:
         return self._limit(self.template.encode(messages, first))
 
+    def document_tokens(self, document: str) -> tuple[list[dict], list[int]]:
+        """A session's opening document: its log entry and the tokens it prefills."""
+        if not document:
+            raise InvalidArgument("document is empty")
+        log = [{"role": "document", "content": document}]
+        return log, self.tokens(log, first=True)
+
     def raw_tokens(self, text: str, first: bool) -> list[int]:
         return self._limit(list(self.tokenizer.encode(text, add_special_tokens=first)))
 
@@ -123,10 +130,7 @@ class SessionAPI:
         self, tenant: str, session_id: str | None, document: str, settings: dict | None, protocol: str
     ) -> dict:
         sid = self.session_id(session_id)
-        if not document:
-            raise InvalidArgument("document is empty")
-        log = [{"role": "document", "content": document}]
-        tokens = self.tokens(log, first=True)
+        log, tokens = self.document_tokens(document)
         outcome = await self.collect(self.open_session(tenant, sid, protocol, tokens, settings, None, log, None, False))
         return state_view(outcome.state) | {"cached_tokens": outcome.cached_tokens}
 
@@ -233,7 +237,8 @@ class SessionAPI:
         ``streaming=False`` fetches the whole turn in one call (one Ray round trip instead of
         one per token). A replica that dies before the first event is retried (the router
         then moves the session)."""
-        tenant, sid, key = req.tenant, req.session_id, self._route_key(req)
+        tenant, sid = req.tenant, req.session_id
+        key = req.key if req.new_session is None else self.prefix_route(req.key, tenant, req.tokens)
         started = time.perf_counter()
         first_token_at = None
         ids: list[int] = []
@@ -317,14 +322,12 @@ class SessionAPI:
                 return event["outcome"]
         raise Unavailable("the worker ended the turn without a result")
 
-    def _route_key(self, req: TurnRequest) -> str:
-        """The router's tag of a turn: "<tenant>/<session>", and for a new session whose prompt
-        holds a whole prefill chunk, "#" and the name of that first block, so that the router
+    def prefix_route(self, key: str, tenant: str, tokens: list[int]) -> str:
+        """The router's tag of new work on ``tokens``: ``key`` ("<tenant>/<session>"), and where the
+        tokens hold a whole prefill chunk, "#" and the name of that first block, so that the router
         prefers a replica holding it as a shared prefix (engine/prefixes.py, service/routing.py)."""
-        if req.new_session is None or not self.cfg.prefix_cache_mib:
-            return req.key
-        root = root_key(req.tenant, req.tokens, self.cfg.prefill_chunk)
-        return req.key if root is None else f"{req.key}#{root}"
+        root = root_key(tenant, tokens, self.cfg.prefill_chunk) if self.cfg.prefix_cache_mib else None
+        return key if root is None else f"{key}#{root}"
 
     async def _call(self, method: str, key: str, *args):
         """``method(*args)`` on the replica the router picks for ``key``: "<tenant>/<session>" (its

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import asyncio
 
-from kvsnap.engine.prefixes import root_key
-from kvsnap.errors import InvalidArgument
+from kvsnap.errors import InvalidArgument, NotFound
 from kvsnap.store.documents import DocumentStore, document_id
-from kvsnap.store.records import check_id
 
 from .api import SessionAPI
 
@@ -30,34 +28,26 @@ class Documents:
         self.api = api
         self.store = DocumentStore(api.directory, limit)
 
-    def tokens(self, text: str) -> list[int]:
-        """The tokens a session on ``text`` opens with (the API's own create), size-checked."""
-        if not text:
-            raise InvalidArgument("document is empty")
-        return self.api.tokens([{"role": "document", "content": text}], first=True)
-
     async def add(self, tenant: str, text: str) -> dict:
         """Register ``text``; prefill its whole chunks on a replica. Returns the record with
         ``shared_tokens`` (held as shared rows on ``worker`` now) and ``created`` (new or known)."""
-        tokens = self.tokens(text)  # before anything is stored: a bad body stores nothing
+        _, tokens = self.api.document_tokens(text)  # a session's own tokens, checked before anything is stored
         record, created = await asyncio.to_thread(self.store.put, tenant, text, len(tokens))
         held = {"shared_tokens": 0, "worker": ""}
         if self.api.cfg.prefix_cache_mib:
-            root = root_key(tenant, tokens, self.api.cfg.prefill_chunk)
-            key = f"{tenant}/{record['document_id']}" + (f"#{root}" if root else "")
+            key = self.api.prefix_route(f"{tenant}/{record['document_id']}", tenant, tokens)
             held = await self.api._call("hold_prefix", key, tenant, tokens)
         return record | held | {"new": created}
 
     async def get(self, tenant: str, doc_id: str, text: bool = True) -> dict:
-        return await asyncio.to_thread(self.store.require, tenant, check_id("document id", doc_id), text)
+        return await asyncio.to_thread(self.store.require, tenant, doc_id, text)  # the store checks the id
 
     async def list(self, tenant: str) -> list[dict]:
         return await asyncio.to_thread(self.store.list, tenant)
 
     async def delete(self, tenant: str, doc_id: str) -> None:
-        check_id("document id", doc_id)
         if not await asyncio.to_thread(self.store.delete, tenant, doc_id):
-            await self.get(tenant, doc_id)  # NotFound
+            raise NotFound(f"document {doc_id!r} not found")
 
     async def text_of(self, tenant: str, document: str | None, doc_id: str | None) -> str:
         """A new session's document: the text given, or the registered one ``doc_id`` names."""
