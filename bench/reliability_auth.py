@@ -26,10 +26,9 @@ from reliability_common import (
     Client,
     Recorder,
     Sessions,
-    _grpc_callable,
-    _grpc_code,
 )
 from reliability_runner import Phase, main
+from reliability_service import grpc_callable, grpc_code
 
 from kvsnap.service.auth import OPEN_PATHS  # after reliability_common (it sets the Ray environment)
 
@@ -68,8 +67,8 @@ def phase_auth(client: Client, grpc_addr: str, redis_url: str, rec: Recorder) ->
     for method in service.methods:
         request_cls = getattr(pb2, method.input_type.name)
         for metadata in (None, [("authorization", f"Bearer {WRONG_KEY}")], [("authorization", "Basic abc")]):
-            call = _grpc_callable(channel, service.full_name, method)
-            code = _grpc_code(
+            call = grpc_callable(channel, service.full_name, method)
+            code = grpc_code(
                 lambda call=call, request_cls=request_cls, metadata=metadata: call(
                     request_cls().SerializeToString(), metadata=metadata
                 )
@@ -127,7 +126,7 @@ def phase_tenants(client: Client, grpc_addr: str, sessions: Sessions, rec: Recor
             out = getattr(stub, name)(request, metadata=md, timeout=CLIENT_TIMEOUT_S)
             return list(out) if name == "Turn" else out
 
-        code = _grpc_code(call)
+        code = grpc_code(call)
         rec.call("tenants", f"grpc:{code}", 0.0)
         rec.check(code == "NOT_FOUND", f"tenants: gRPC {name} on another tenant's session: {code}")
     # the OpenAI route with the id: the other tenant gets a session of its own under that id
@@ -145,6 +144,50 @@ def phase_tenants(client: Client, grpc_addr: str, sessions: Sessions, rec: Recor
         (after["version"], after["turns"]) == (before["version"], before["turns"]), "tenants: the session changed"
     )
     client.request("tenants", "delete", f"/v1/sessions/{sid}", key=KEY_B)  # B's own session under that id
+    tenants_documents(client, stub, sessions, rec)
+
+
+def tenants_documents(client: Client, stub, sessions: Sessions, rec: Recorder) -> None:
+    """Another tenant and a registered document: by id it is a missing one (HTTP and gRPC); by
+    its text, the other tenant registers a document of its own, new, under another id."""
+    from kvsnap.service.grpc_stubs import pb2
+
+    doc_id, missing_id = sessions.document_ids[0], "doc-" + "0" * 32
+    probes = [
+        ("get", "/v1/documents/{}", None),
+        ("delete", "/v1/documents/{}", None),
+        ("post", "/v1/sessions", lambda i: {"document_id": i}),
+    ]
+
+    def answer(method, path, body, i):  # status and message, the id in it made anonymous
+        r = client.request("tenants", method, path.format(i), key=KEY_B, json=body and body(i))
+        return None if r is None else (r.status_code, r.text.replace(i, "X"))
+
+    for method, path, body in probes:
+        theirs, missing = answer(method, path, body, doc_id), answer(method, path, body, missing_id)
+        rec.check(
+            theirs is not None and theirs == missing and theirs[0] == 404,
+            f"tenants: {method.upper()} {path} on another tenant's document differs from a missing one: "
+            f"{theirs} vs {missing}",
+        )
+    listed = client.request("tenants", "get", "/v1/documents", key=KEY_B)
+    rec.check(listed is not None and doc_id not in listed.text, "tenants: another tenant lists the document")
+    md = [("authorization", f"Bearer {KEY_B}")]
+    for name, request in (
+        ("GetDocument", pb2.DocumentRef(document_id=doc_id)),
+        ("DeleteDocument", pb2.DocumentRef(document_id=doc_id)),
+        ("CreateSession", pb2.CreateSessionRequest(document_id=doc_id)),
+    ):
+        code = grpc_code(lambda name=name, request=request: getattr(stub, name)(request, metadata=md, timeout=30))
+        rec.call("tenants", f"grpc:{code}", 0.0)
+        rec.check(code == "NOT_FOUND", f"tenants: gRPC {name} on another tenant's document: {code}")
+    theirs = client.request("tenants", "post", "/v1/documents", key=KEY_B, json={"document": sessions.shared[0]})
+    own = theirs is not None and theirs.status_code == 201 and theirs.json()["new"]
+    rec.check(own and theirs.json()["document_id"] != doc_id, "tenants: the same text is not the other's own document")
+    if own:
+        client.request("tenants", "delete", f"/v1/documents/{theirs.json()['document_id']}", key=KEY_B)
+    mine = client.request("tenants", "get", f"/v1/documents/{doc_id}")
+    rec.check(mine is not None and mine.status_code == 200, "tenants: the owner lost its document")
 
 
 def phase_logs(data_dir: Path, rec: Recorder) -> None:

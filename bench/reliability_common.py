@@ -1,7 +1,8 @@
 """What the reliability suite's phases share (bench/reliability.py runs every phase; each
-group also runs alone: bench/reliability_{auth,fuzzing,overload,faults}.py): the service it
-starts, the recorder of every request, the verified sessions and their uninterrupted twins,
-gRPC calls by descriptor. The runner is bench/reliability_runner.py.
+group also runs alone: bench/reliability_{auth,fuzzing,overload,faults}.py): the recorder of
+every request, the verified sessions (some opened from registered documents) and their
+uninterrupted twins. The service it starts and gRPC calls by descriptor are in
+bench/reliability_service.py; the runner is bench/reliability_runner.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import random
 import threading
 import time
 from collections import Counter, defaultdict
-from pathlib import Path
 
 import requests
 
@@ -125,6 +125,18 @@ class Sessions:
             + " ".join(rng.choice(words) for _ in range(120))  # ~800 tokens: 2 sessions fill a 1 MiB tier
             for sid in self.ids
         }
+        # two of every five sessions open from a registered document (POST /v1/documents), two
+        # documents in turn, longer than a prefill chunk (1,024 tokens; the tiny models' tokens are
+        # bytes) so that they start from the rows the document's holder shares
+        self.shared = [
+            f"Shared document {j}. The code word is {rng.choice(words)}-{rng.randint(100, 999)}. "
+            + " ".join(rng.choice(words) for _ in range(200))  # ~1,300 tokens
+            for j in range(2)
+        ]
+        self.document_of = {sid: (i // 5) % 2 for i, sid in enumerate(self.ids) if i % 5 >= 3}
+        for sid, j in self.document_of.items():
+            self.docs[sid] = self.shared[j]
+        self.document_ids: dict[int, str] = {}  # filled by open_all
         self.questions = {
             sid: [QUESTIONS[(i + k) % len(QUESTIONS)] for k in range(turns)] for i, sid in enumerate(self.ids)
         }
@@ -162,11 +174,26 @@ class Sessions:
                 raise SystemExit(f"{sid}: the SnapKV twin kept every row; the suite's documents are too short")
 
 
+def register_documents(client: Client, sessions: Sessions, phase: str, rec: Recorder) -> None:
+    """POST the shared documents; their ids are content addresses, the same on every call."""
+    for j, text in enumerate(sessions.shared):
+        r = client.request(phase, "post", "/v1/documents", json={"document": text})
+        if r is None or r.status_code not in (200, 201):
+            raise SystemExit(f"could not register shared document {j}: {None if r is None else r.text}")
+        doc_id = sessions.document_ids.setdefault(j, r.json()["document_id"])
+        rec.check(r.json()["document_id"] == doc_id, f"{phase}: document {j} came back as another id")
+        rec.figures[phase].setdefault("shared_tokens", []).append(r.json()["shared_tokens"])
+
+
 def open_all(client: Client, sessions: Sessions, rec: Recorder) -> None:
-    """Open the verified sessions, and the one the fuzzers may use."""
+    """Open the verified sessions (some from a registered document), and the one the fuzzers may use."""
+    register_documents(client, sessions, "setup", rec)
+    rec.check(min(rec.figures["setup"]["shared_tokens"], default=0) > 0, "setup: a document holds no shared rows")
     docs = dict(sessions.docs) | {FUZZ_SESSION: "A document for the fuzzers."}
     for sid, doc in docs.items():
         body = {"session_id": sid, "document": doc}
+        if sid in sessions.document_of:
+            body = {"session_id": sid, "document_id": sessions.document_ids[sessions.document_of[sid]]}
         if sessions.policy.get(sid, "full") == "full":
             body["settings"] = {"policy": "full"}  # the others take the service's default (SnapKV)
         r = client.request("setup", "post", "/v1/sessions", json=body)
@@ -175,6 +202,12 @@ def open_all(client: Client, sessions: Sessions, rec: Recorder) -> None:
         if sid in sessions.policy:
             got = r.json()["policy"].split("(")[0]
             rec.check(got == sessions.policy[sid], f"setup: {sid} opened with {got}, want {sessions.policy[sid]}")
+        if sid in sessions.document_of:
+            cached = r.json().get("cached_tokens") or 0
+            rec.check(cached > 0, f"setup: {sid} opened from a document but started from no shared rows")
+            rec.figures["setup"]["document_sessions_cached_tokens"] = (
+                rec.figures["setup"].get("document_sessions_cached_tokens", 0) + cached
+            )
 
 
 def one_turn(client: Client, sessions: Sessions, sid: str, phase: str, rec: Recorder) -> str:
@@ -266,73 +299,9 @@ def verify_all(client: Client, sessions: Sessions, phase: str, rec: Recorder, pa
         }
         for policy in sorted(set(sessions.policy.values()))
     }
+    on_documents = [sid for sid in sessions.ids if sid in sessions.document_of]
+    rec.figures[phase]["on_documents"] = {
+        "verified": sum(1 for sid in on_documents if sid not in lost),
+        "lost": sum(1 for sid in on_documents if sid in lost),
+    }
     return {"lost": lost, "sources": sources, "by_session": by_session}
-
-
-# -- gRPC calls by method descriptor (auth and fuzzing) ------------------------------------------
-
-
-def _grpc_callable(channel, service_name: str, method):
-    path = f"/{service_name}/{method.name}"
-    if method.server_streaming:
-        stream = channel.unary_stream(path)
-        return lambda payload, **kw: list(stream(payload, **kw))
-    return channel.unary_unary(path)
-
-
-def _grpc_code(call) -> str:
-    import grpc
-
-    try:
-        call()
-        return "OK"
-    except grpc.RpcError as exc:
-        return exc.code().name
-
-
-# -- service plumbing ----------------------------------------------------------------------------
-
-
-def _worker_actor_names() -> set[str]:
-    import ray
-
-    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#Worker#" in a["name"]}
-
-
-def _running_replicas() -> int:
-    from ray import serve
-
-    return serve.status().applications["kvsnap"].deployments["Worker"].replica_states.get("RUNNING", 0)
-
-
-def start(data_dir: Path):
-    """Redis (this script's own, to crash and wipe), local Ray and the app, via the bench harness."""
-    import ray
-    from harness import start_service
-
-    from kvsnap.service.config import PolicyDefaults
-    from kvsnap.store.redis_server import EmbeddedRedis
-
-    redis = EmbeddedRedis(data_dir / "redis").start()
-    ray.init(num_cpus=3, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    cfg = start_service(
-        redis_url=redis.url,
-        data_dir=str(data_dir),
-        model="tiny-llama",
-        api_keys={KEY_A: "alpha", KEY_B: "beta"},
-        admin_keys=[ADMIN_KEY],
-        defaults=PolicyDefaults(**DEFAULTS),
-        device_tier_mib=1,
-        host_tier_mib=1,
-        disk_tier_mib=64,
-        max_prompt_tokens=2048,
-        max_body_bytes=16 * 1024,
-        max_new_tokens=1000,
-        default_max_tokens=16,
-        max_ongoing_requests=2,
-        max_batch=2,
-        max_queued_requests=4,
-        overload_queue_len=2,
-        request_timeout_s=REQUEST_TIMEOUT_S,
-    )
-    return cfg, redis

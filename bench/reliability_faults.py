@@ -29,12 +29,12 @@ from reliability_common import (
     Client,
     Recorder,
     Sessions,
-    _running_replicas,
-    _worker_actor_names,
     one_turn,
+    register_documents,
     verify_all,
 )
 from reliability_runner import Phase, Suite, main
+from reliability_service import running_replicas, worker_actor_names
 
 from kvsnap.service.app import wait_for_workers  # after reliability_common (it sets the Ray environment)
 
@@ -114,8 +114,8 @@ def phase_kill(
         wait = every_s / 2
         while not stop.wait(wait):
             wait = every_s
-            names = sorted(_worker_actor_names())
-            if _running_replicas() >= 2:
+            names = sorted(worker_actor_names())
+            if running_replicas() >= 2:
                 name = rng.choice(names)
                 try:
                     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
@@ -200,6 +200,11 @@ def phase_redis(client: Client, sessions: Sessions, redis, down_s: float, rec: R
     redis.start()
     time.sleep(6)  # a few heartbeats (2 s each)
     verify_all(client, sessions, "redis-wiped", rec, patience_s=30)
+    # the wipe took the document records (the sessions opened from them hold their own text):
+    # registered again, each gets its id back (a content address) and shared rows
+    gone = [client.request("redis-wiped", "get", f"/v1/documents/{i}") for i in sessions.document_ids.values()]
+    rec.figures["redis-wiped"]["documents_after_wipe"] = [None if r is None else r.status_code for r in gone]
+    register_documents(client, sessions, "redis-wiped", rec)
 
 
 def _kill(s: Suite) -> None:

@@ -18,8 +18,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from reliability_common import CLIENT_TIMEOUT_S, FUZZ_SESSION, KEY_A, Client, Recorder, _grpc_callable, _grpc_code
+from reliability_common import CLIENT_TIMEOUT_S, FUZZ_SESSION, KEY_A, Client, Recorder
 from reliability_runner import Phase, main
+from reliability_service import grpc_callable, grpc_code
 
 
 def phase_fuzz_http(client: Client, out_dir: Path, examples: int, rec: Recorder) -> None:
@@ -107,8 +108,8 @@ def phase_fuzz_grpc(grpc_addr: str, cases: int, max_bytes: int, rec: Recorder) -
             payload = _hostile(request_cls, rng).SerializeToString()
         else:
             payload = b"\x12" + _varint(max_bytes + 10) + b"x" * (max_bytes + 10)  # field 2, length-delimited
-        call = _grpc_callable(channel, service.full_name, method)
-        code = _grpc_code(lambda call=call, payload=payload: call(payload, metadata=md, timeout=CLIENT_TIMEOUT_S))
+        call = grpc_callable(channel, service.full_name, method)
+        code = grpc_code(lambda call=call, payload=payload: call(payload, metadata=md, timeout=CLIENT_TIMEOUT_S))
         codes[code] += 1
         kinds[kind] += 1
         rec.call("fuzz_grpc", f"grpc:{code}", 0.0)

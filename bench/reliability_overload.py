@@ -14,15 +14,16 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-from reliability_common import Client, Recorder, Sessions, _worker_actor_names, one_turn
+from reliability_common import Client, Recorder, Sessions, one_turn
 from reliability_runner import Phase, main
+from reliability_service import worker_actor_names
 
 
 def phase_overload(client: Client, sessions: Sessions, cfg, rec: Recorder) -> None:
     capacity = cfg.replicas * cfg.max_ongoing_requests + cfg.max_queued_requests
     load = 2 * capacity
     sids = sessions.ids[:load]
-    replicas_before = _worker_actor_names()
+    replicas_before = worker_actor_names()
     t0 = time.perf_counter()
     outcomes = Counter()
     with ThreadPoolExecutor(load) as pool:
@@ -42,7 +43,7 @@ def phase_overload(client: Client, sessions: Sessions, cfg, rec: Recorder) -> No
         held = [float(v) for v in re.findall(rf'kvsnap_kv_bytes\{{[^}}]*tier="{tier}"[^}}]*\}} ([0-9.e+]+)', metrics)]
         over = [v for v in held if v > budget + largest]
         rec.check(not over, f"overload: {tier} tier over its budget: {over} > {budget} + one session ({largest})")
-    rec.check(_worker_actor_names() == replicas_before, "overload: a worker replica died or restarted")
+    rec.check(worker_actor_names() == replicas_before, "overload: a worker replica died or restarted")
     t1 = time.perf_counter()
     recovered = one_turn(client, sessions, sids[0], "overload-after", rec)
     rec.figures["overload"] |= {

@@ -21,9 +21,9 @@ from reliability_common import (
     Recorder,
     Sessions,
     open_all,
-    start,
     verify_all,
 )
+from reliability_service import start
 
 # -- running phases --------------------------------------------------------------------------------
 
@@ -143,6 +143,10 @@ def make_report(suite: Suite, names: list[str], mode: str, elapsed_s: float) -> 
         "sessions": len(sessions.ids),
         "sessions_lost": lost,
         "by_policy": by_policy,
+        "on_documents": {  # opened from a registered document (POST /v1/documents), either policy
+            "sessions": len(sessions.document_of),
+            "lost": sum(v.get("on_documents", {}).get("lost", 0) for v in summary.values()),
+        },
         "requests": sum(v.get("requests", 0) for v in summary.values()),
         "faults": {
             "replicas_killed": summary.get("kill", {}).get("replicas_killed", 0),
@@ -161,7 +165,7 @@ def format_table(report: dict) -> str:
         f"\nreliability ({report['mode']}): {report['requests']} requests, {report['sessions']} verified sessions, "
         f"{report['sessions_lost']} lost, {len(report['failures'])} failed checks, {report['elapsed_s']:.0f}s",
         f"faults: {report['faults']}",
-        f"by policy: {report['by_policy']}",
+        f"by policy: {report['by_policy']}; opened from documents: {report['on_documents']}",
         f"{'phase':18}{'requests':>9}{'max s':>8}  statuses / figures",
     ]
     for phase, s in report["phases"].items():

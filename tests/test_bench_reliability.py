@@ -32,6 +32,14 @@ def test_quick_reliability_suite_loses_nothing(tmp_path):
     assert policies["snapkv"]["answers_by_source"].get("rebuilt", 0) >= 2  # kills and corrupted blobs: replayed
     for name in ("corrupt", "kill-verify", "redis-restarted", "redis-wiped", "final"):
         assert phases[name]["verified_sessions"] == report["sessions"], name  # every one asked, every one right
+    # sessions opened from registered documents (shared rows): the same, through every fault
+    assert report["on_documents"]["sessions"] >= 4 and report["on_documents"]["lost"] == 0, report["on_documents"]
+    assert phases["setup"]["document_sessions_cached_tokens"] > 0
+    for name in ("kill-verify", "redis-wiped", "final"):
+        assert phases[name]["on_documents"]["lost"] == 0 and phases[name]["on_documents"]["verified"] >= 4, name
+    # a wipe takes the document records; registered again, the same ids, the holder's rows still shared
+    assert phases["redis-wiped"]["documents_after_wipe"] == [404, 404]
+    assert len(phases["redis-wiped"]["shared_tokens"]) == 2 and min(phases["redis-wiped"]["shared_tokens"]) > 0
     faults = report["faults"]
     assert faults["replicas_killed"] >= 1 and faults["blobs_corrupted"] >= 2 and faults["streams_cut"] == 2
     assert phases["corrupt"]["rebuilt"] == faults["blobs_corrupted"]
