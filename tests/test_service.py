@@ -4,6 +4,7 @@ redis-server, and real HTTP, gRPC and OpenAI clients."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -83,11 +84,11 @@ def sse_events(response: requests.Response) -> list[dict]:
 
 
 def kill_replica(worker_id: str, timeout_s: float = 60) -> None:
-    """Kill a worker replica and wait until it is dead: ``ray.kill`` only sends the kill, and on
-    a busy machine the replica answered one more turn after it returned (fresh-clone make test
-    beside a CPU-bound process). Only ActorDiedError says dead: ActorUnavailableError, also a
-    RayActorError, is a busy or unreachable actor, and returning on it let the replica answer
-    the next turn (the same fresh-clone run beside a CPU hog, 2026-12-04)."""
+    """Kill a worker replica and wait until its process is gone. ``ray.kill`` only sends the
+    kill; ActorDiedError comes once the GCS marks the actor dead, and a process killed while
+    busy still ran a turn in the ~30 ms before it exited (fresh-clone make test beside a CPU
+    hog, 2026-12-04: the ingress had not heard of the death and sent the next turn there).
+    ActorUnavailableError, also a RayActorError, is a busy or unreachable actor: not dead."""
     import ray
     from ray.exceptions import ActorDiedError, ActorUnavailableError
 
@@ -95,17 +96,31 @@ def kill_replica(worker_id: str, timeout_s: float = 60) -> None:
         a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(f"#{worker_id}")
     )
     actor = ray.get_actor(name, namespace="serve")
+    pid = ray.get(actor.__ray_call__.remote(lambda _replica: os.getpid()), timeout=timeout_s)
     ray.kill(actor, no_restart=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             ray.get(actor.__ray_ready__.remote(), timeout=5)
         except ActorDiedError:
-            return
+            break
         except (ActorUnavailableError, ray.exceptions.GetTimeoutError):
             pass
         time.sleep(0.1)
-    raise AssertionError(f"replica {worker_id} still answers {timeout_s} s after ray.kill")
+    else:
+        raise AssertionError(f"replica {worker_id} still answers {timeout_s} s after ray.kill")
+    assert _wait_for(lambda: not _process_alive(pid), max(1.0, deadline - time.monotonic())), (
+        f"replica {worker_id} (pid {pid}) still runs {timeout_s} s after ray.kill"
+    )
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def wait_for_workers(count: int = 2, timeout_s: float = 90) -> None:
