@@ -111,7 +111,7 @@ def start_vllm(folder: str, model: str, kv_gib: float, threads: int, dtype: str,
     return Server("vllm", cmd, env, port, work / "vllm.log")
 
 
-def start_kvsnap(model: str, kv_gib: float, dtype: str, work: Path) -> Server:
+def start_kvsnap(model: str, kv_gib: float, dtype: str, work: Path, prefill_chunk: int | None = None) -> Server:
     port = free_port()
     env = os.environ | {
         "KVSNAP_API_KEYS": f"{KEY}:bench",
@@ -121,6 +121,8 @@ def start_kvsnap(model: str, kv_gib: float, dtype: str, work: Path) -> Server:
         "KVSNAP_HOST_TIER_MIB": str(int(kv_gib * 512)),
         "KVSNAP_DEFAULT_MAX_TOKENS": "16",
     }
+    if prefill_chunk:  # also the block of shared prompt prefixes (engine/prefixes.py)
+        env["KVSNAP_PREFILL_CHUNK"] = str(prefill_chunk)
     env.pop("KVSNAP_REDIS_URL", None)
     kvsnap = Path(sys.executable).parent / "kvsnap"
     cmd = [str(kvsnap), "serve", "--model", model, "--replicas", "1", "--http-port", str(port), "--grpc-port", "0"]
@@ -283,7 +285,7 @@ def run_server(name: str, args, work: Path, folder: str) -> dict:
         if name == "vllm":
             server = start_vllm(folder, args.model, kv, args.threads, args.vllm_dtype, work)
         else:
-            server = start_kvsnap(args.model, kv, args.kvsnap_dtype, work)
+            server = start_kvsnap(args.model, kv, args.kvsnap_dtype, work, args.kvsnap_prefill_chunk)
         try:
             if workload == "decode":
                 out[workload] = decode_phase(server, args.model, args.chats, args.decode_tokens)
@@ -334,6 +336,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--vllm-dtype", default="bfloat16")
     ap.add_argument("--kvsnap-dtype", default="auto")
+    ap.add_argument("--kvsnap-prefill-chunk", type=int, default=None, help="kvsnap's prefill chunk and prefix block")
     ap.add_argument("--small", action="store_true", help="the test-sized run: 2 chats x 2 turns, 600-token documents")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
