@@ -10,7 +10,6 @@ import json
 import math
 import re
 import threading
-import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -24,7 +23,7 @@ from kvsnap.engine.defaults import default_settings
 from kvsnap.service.config import ServiceConfig
 
 from .conftest import ADMIN_KEY
-from .test_service import DOC, FULL, create, kill_replica, reference_answers, turn, wait_for_workers
+from .test_service import DOC, FULL, _wait_for, create, kill_replica, reference_answers, turn, wait_for_workers
 
 CLUSTER = Path(__file__).resolve().parent.parent / "cluster"
 
@@ -131,25 +130,14 @@ def test_the_fallback_proxy_listens_on_this_services_own_port(service):
     backends) binds the port drawn for this service, not Serve's fixed 8500, which another local
     service's fallback proxy would share (SO_REUSEPORT) and answer half the requests of."""
     import os
-    import socket
+
+    from kvsnap.ports import _bindable
 
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         pytest.skip("Serve's standard proxy (no HAProxy binary): no fallback proxy")
     port = os.environ.get("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
     assert port is not None and int(port) != 8500, port
-
-    def held() -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", int(port)))
-            except OSError:
-                return True
-        return False
-
-    deadline = time.monotonic() + 30
-    while not held():
-        assert time.monotonic() < deadline, f"nothing listens on the fallback proxy's port {port}"
-        time.sleep(0.5)
+    assert _wait_for(lambda: not _bindable(int(port)), 30), f"nothing listens on the fallback proxy's port {port}"
 
 
 def test_free_ports_stay_out_of_the_ephemeral_range(tmp_path, monkeypatch):
