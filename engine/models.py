@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, 
 from kvsnap.errors import InvalidArgument
 
 from . import capture
+from .packed import pack_linears
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,15 @@ def load_model(
     except OSError as exc:
         raise InvalidArgument(f"cannot load model {name!r}: {exc}") from exc
     model.to(dev).eval()
+    _pack(model, name)
     return LoadedModel(model, tokenizer, name, dev, _fingerprint(name, gguf_file, model))
+
+
+def _pack(model: torch.nn.Module, name: str) -> None:
+    """bf16 CPU projections get weights packed once (engine/packed.py: bit-equal, faster)."""
+    added = pack_linears(model)
+    if added:
+        log.info("%s: linear weights packed for oneDNN (%.0f MiB more)", name, added / 2**20)
 
 
 def _tiny(name: str, dev: torch.device, attn: str, dtype: torch.dtype) -> LoadedModel:
@@ -182,6 +191,7 @@ def _tiny(name: str, dev: torch.device, attn: str, dtype: torch.dtype) -> Loaded
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
     model.to(dev, dtype).eval()  # the same random weights in either dtype (drawn in float32)
+    _pack(model, name)
     return LoadedModel(model, ByteTokenizer(), name, dev, f"{name}-seed0")
 
 

@@ -1,0 +1,94 @@
+"""Packed linear weights (engine/packed.py) against plain ``F.linear``, side by side in one run.
+
+In-process ``Engine``, bfloat16, both embedded models: the mean decode step of 1 and 8
+full-KV sessions on short (--short tokens) and long (--tokens) caches, and one long prefill,
+each measured with the weights packed and unpacked in turn (alternating, --reps times; the
+medians), plus the bytes the packed copies add. The answers are the same either way (the
+logits are bit-equal, tests/test_packed.py); this measures only the time.
+
+    .venv/bin/python bench/packed_bench.py --out docs/results/packed_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from decode_bench import sessions_on, step
+from dtype_bench import DOC
+
+from kvsnap.engine import Engine, load_model
+from kvsnap.engine.packed import pack_linears, unpack_linears
+from kvsnap.policies import make_policy
+
+
+def decode_ms(engine: Engine, sessions: list, steps: int) -> float:
+    step(engine, sessions)  # warm
+    began = time.perf_counter()
+    for _ in range(steps):
+        step(engine, sessions)
+    return (time.perf_counter() - began) / steps * 1000
+
+
+def prefill_s(engine: Engine, doc: list[int]) -> float:
+    began = time.perf_counter()
+    engine.prefill(engine.new_session(make_policy("full")), doc)
+    return time.perf_counter() - began
+
+
+def side_by_side(model: torch.nn.Module, measure, reps: int) -> dict:
+    """``measure()`` with the weights unpacked and packed, alternating; medians and the ratio."""
+    times = {"plain": [], "packed": []}
+    for _ in range(reps):
+        unpack_linears(model)
+        times["plain"].append(measure())
+        pack_linears(model)
+        times["packed"].append(measure())
+    plain, packed = statistics.median(times["plain"]), statistics.median(times["packed"])
+    return {"plain": round(plain, 3), "packed": round(packed, 3), "speedup": round(plain / packed, 2)}
+
+
+def measure(engine: Engine, doc: list[int], rows: dict, args) -> None:
+    for label, length in (("short", args.short), ("long", args.tokens)):
+        sessions = sessions_on(engine, doc[:length], 8)
+        for count in (1, 8):
+            key = f"decode_ms_{count}_{label}"
+            steps = lambda s=sessions[:count]: decode_ms(engine, s, args.steps)  # noqa: E731
+            rows[key] = side_by_side(engine.model, steps, args.reps)
+            print(engine.loaded.name, key, rows[key], flush=True)
+    rows["prefill_s_long"] = side_by_side(engine.model, lambda: prefill_s(engine, doc), args.reps)
+    print(engine.loaded.name, "prefill_s_long", rows["prefill_s_long"], flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="smollm2-135m,gemma3-270m")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--short", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    report = {"tokens": args.tokens, "short": args.short, "threads": args.threads, "dtype": "bfloat16"}
+    report["torch"] = torch.__version__
+    for name in args.models.split(","):
+        engine = Engine(load_model(name, dtype="bfloat16"), prefill_chunk=1024)
+        model = engine.model
+        unpack_linears(model)
+        rows = {"packed_mib": round(pack_linears(model) / 2**20, 1)}
+        doc = engine.encode(DOC)[: args.tokens]
+        engine.prefill(engine.new_session(make_policy("full")), doc[:256])  # warm-up
+        measure(engine, doc, rows, args)
+        report[name] = rows
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

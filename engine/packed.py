@@ -1,0 +1,66 @@
+"""bfloat16 linear layers on a CPU with their weights packed once for oneDNN.
+
+``F.linear`` on a bf16 CPU tensor hands the weight to oneDNN, which reorders it into its own
+blocked layout on every call. A decode step's projections are matrix-vector products (a few
+rows against each weight), so that reorder is a large share of their time: packing each
+weight once at load (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing
+does) and calling ``torch.ops.mkldnn._linear_pointwise`` makes 8-row products 1.5-1.9x faster
+here, and 1,024-row ones no slower (docs/BENCHMARKS.md, "Packed linear weights").
+
+The results are bit-equal to ``F.linear``'s for any number of rows (tests/test_packed.py), so
+no exactness invariant changes. The module keeps its weight (code that reads it, such as
+KVzip+'s output-projection norms, sees the same tensor); the packed copy is extra memory, the
+bytes :func:`pack_linears` returns. Weights are frozen once packed: this is for inference.
+The LM head is left alone (engine/head.py reads its weight itself), and so is every float32,
+fp16 or CUDA layer.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+ROWS_HINT = 8  # the rows oneDNN is told to expect (a decode step's); any count works
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """A bf16 CPU weight, on a torch whose oneDNN has bf16 kernels on this CPU."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return False
+    ops = torch.ops.mkldnn
+    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        return False
+    return ops._is_mkldnn_bf16_supported()
+
+
+def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.bfloat16:  # a caller in another dtype gets the plain product
+        return nn.Linear.forward(self, x)
+    return torch.ops.mkldnn._linear_pointwise(x, self._kvsnap_packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Pack every bf16 CPU ``nn.Linear`` of ``model`` but its LM head; returns the bytes the
+    packed copies take (0: nothing to pack). Idempotent."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    added = 0
+    for module in model.modules():
+        if type(module) is not nn.Linear or module is head or hasattr(module, "_kvsnap_packed"):
+            continue
+        if not can_pack(module.weight):
+            continue
+        with torch.no_grad():
+            module._kvsnap_packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), ROWS_HINT)
+        module.forward = types.MethodType(_packed_forward, module)
+        added += module.weight.numel() * module.weight.element_size()
+    return added
+
+
+def unpack_linears(model: nn.Module) -> None:
+    """Undo :func:`pack_linears` (benchmarks compare both in one run)."""
+    for module in model.modules():
+        if hasattr(module, "_kvsnap_packed"):
+            del module._kvsnap_packed
+            del module.forward
