@@ -57,9 +57,10 @@ def chats(model: str, count: int, turns: int, doc_tokens: int, seed0: int) -> li
 def ask(client, model: str, messages: list[dict], max_tokens: int) -> dict:
     """One streamed chat completion: its TTFT (first text), the answer, and the tokens the server
     says it prefilled: usage's ``prompt_tokens`` less ``cached_tokens`` (vLLM counts the whole
-    prompt and its prefix-cache hits; kvsnap the turn's new tokens and those from shared rows)."""
+    prompt and its prefix-cache hits; kvsnap the turn's new tokens and those from shared rows,
+    not the replay of a session it rebuilt first: ``source`` "rebuilt", kvsnap's own field)."""
     t0 = time.perf_counter()
-    ttft, parts, usage = None, [], None
+    ttft, parts, usage, source = None, [], None, None
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
         stream_options={"include_usage": True},
@@ -69,12 +70,14 @@ def ask(client, model: str, messages: list[dict], max_tokens: int) -> dict:
             ttft = ttft if ttft is not None else time.perf_counter() - t0
             parts.append(chunk.choices[0].delta.content)
         usage = chunk.usage or usage
+        source = ((chunk.model_extra or {}).get("kvsnap") or {}).get("source", source)  # where its KV came from
     if usage is None:
         raise RuntimeError("the server sent no usage with include_usage")
     details = usage.prompt_tokens_details
     cached = (details.cached_tokens or 0) if details is not None else 0
     return {"ttft_s": ttft if ttft is not None else time.perf_counter() - t0, "text": "".join(parts),
-            "prefilled": usage.prompt_tokens - cached, "completion_tokens": usage.completion_tokens}  # fmt: skip
+            "prefilled": usage.prompt_tokens - cached, "completion_tokens": usage.completion_tokens,
+            "source": source}  # fmt: skip
 
 
 def new_tokens(tok_count, history: list[dict], previous: dict | None, messages: list[dict]) -> int:
@@ -159,6 +162,7 @@ def prefilled_follow_ups(rows: list[dict]) -> dict:
         "follow_up_prefilled_max": max(r["prefilled"] for r in later),
         "follow_up_new_tokens_p50": statistics.median(r["new_tokens"] for r in later),
         "follow_ups_prefilling_more_than_new": sum(r["prefilled"] > r["new_tokens"] for r in later),
+        "follow_ups_rebuilt": sum(r["source"] == "rebuilt" for r in later),  # kvsnap: replayed the chat first
         "follow_ups": len(later),
     }
 
