@@ -100,7 +100,8 @@ class WorkerReplica:
     def __init__(self, config: dict, redis_url: str):
         cfg = ServiceConfig(**config)
         cfg.load_policy_modules()  # sessions of those policies may be rebuilt here
-        torch.set_num_threads(max(1, int(cfg.cpus_per_replica)))
+        threads = max(1, int(cfg.cpus_per_replica))  # the scheduler thread's, which runs the steps
+        torch.set_num_threads(1)  # the load's: a team made here would slow every step (engine/scheduler.py)
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         loaded = load_model(cfg.model, gguf_file=cfg.gguf_file, dtype=cfg.dtype)
         engine = Engine(
@@ -120,7 +121,7 @@ class WorkerReplica:
             kivi=parse_kivi(cfg.kv_quant, cfg.kv_quant_group, cfg.kv_quant_residual),
             kivi_device=cfg.kv_quant_device,
         )
-        self.worker = Worker(engine, directory, store, self.worker_id, max_batch=cfg.max_batch)
+        self.worker = Worker(engine, directory, store, self.worker_id, max_batch=cfg.max_batch, threads=threads)
         self.worker.start_heartbeat(interval_s=2.0)
         self.ongoing = 0
         pid = os.getpid()

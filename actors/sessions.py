@@ -54,9 +54,15 @@ class SessionStore(Loading, Rewinds, Liveness):
         self.counters: Counter = Counter()  # rebuilds, tier hits, imports, offline turns, resyncs, conflicts
         self.lock = threading.RLock()  # the held map and the tiers
         self.model_lock = threading.RLock()  # the model's (the worker's): a rebuild runs it between batch steps
+        # model work outside any turn (a rebuild): the worker runs it on its scheduler's thread
+        self.model_work = self._under_model_lock
         self.claims = Claims()  # sessions with a turn in progress
         self.claimed, self.wait_idle = self.claims.claimed, self.claims.wait_idle
         self.draining = False  # set by a drain: turns on held sessions are refused, new sessions not
+
+    def _under_model_lock(self, fn, *args):
+        with self.model_lock:
+            return fn(*args)
 
     # -- one turn: checkout and checkin --------------------------------------------------
     @contextmanager

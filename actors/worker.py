@@ -51,6 +51,7 @@ class Worker:
         *,
         max_batch: int = 16,
         step_tokens: int | None = None,
+        threads: int | None = None,
     ):
         self.engine = engine
         self.sessions = SessionStore(engine, directory, store, worker_id)
@@ -58,7 +59,8 @@ class Worker:
         self.directory, self.store, self.counters = directory, store, self.sessions.counters
         self._model = threading.RLock()  # the model: held by the scheduler for each step, and by rebuilds
         self.sessions.model_lock = self._model
-        self.scheduler = Scheduler(engine, self._model, max_batch=max_batch, step_tokens=step_tokens)
+        self.scheduler = Scheduler(engine, self._model, max_batch=max_batch, step_tokens=step_tokens, threads=threads)
+        self.sessions.model_work = self.scheduler.call  # rebuilds on the steps' thread and OpenMP team
         self._stop = threading.Event()
         self._resume: threading.Timer | None = None  # ends a drain (see drain)
         try:

@@ -31,9 +31,11 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 from kvsnap.errors import Unavailable
 
+from .threads import own_threads
 from .turn import Turn
 
 log = logging.getLogger(__name__)
@@ -98,11 +100,15 @@ class Scheduler:
         step_tokens: int | None = None,
         *,
         start: bool = True,
+        threads: int | None = None,
     ):
-        """``start=False``: no thread; the caller runs the steps (:meth:`run_step`, for tests)."""
+        """``start=False``: no thread; the caller runs the steps (:meth:`run_step`, for tests).
+        ``threads``: the torch (OpenMP) threads of the scheduler thread's steps (see
+        :meth:`_loop`); None leaves it at torch's default for a new thread."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.engine = engine
+        self.threads = threads
         self.lock = lock  # the model's: other model work (rebuilds) runs between steps
         self.max_batch = max_batch
         self.chunk = engine.prefill_chunk
@@ -112,6 +118,7 @@ class Scheduler:
         self._running: list[Job] = []
         self._cv = threading.Condition()
         self._stopped = False
+        self._calls: list[tuple] = []  # (fn, args, future): see call
         self._thread = threading.Thread(target=self._loop, name="kvsnap-scheduler", daemon=True) if start else None
         if self._thread is not None:
             self._thread.start()
@@ -152,13 +159,22 @@ class Scheduler:
 
     # -- the loop ------------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.threads:
+            own_threads(self.threads)
         while True:
             with self._cv:
-                while not self._stopped and not self._waiting and not self._running:
+                while not self._stopped and not self._waiting and not self._running and not self._calls:
                     self._cv.wait()
                 if self._stopped:
                     break
+                calls, self._calls = self._calls, []
                 self._admit()
+            for fn, args, done in calls:  # model work outside any turn, between steps
+                try:
+                    with self.lock:
+                        done.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - raised in the caller
+                    done.set_exception(exc)
             try:
                 self._step()
             except BaseException as exc:  # noqa: BLE001 - never leave a consumer waiting
@@ -167,6 +183,30 @@ class Scheduler:
                     self._fail(job, exc)
         for job in list(self._running) + list(self._waiting):
             self._fail(job, RuntimeError("scheduler stopped"))
+        with self._cv:
+            calls, self._calls = self._calls, []
+        for _, _, done in calls:
+            done.set_exception(Unavailable("the worker's scheduler stopped; retry"))
+
+    def call(self, fn, *args):
+        """``fn(*args)`` on the scheduler thread between steps, holding the model's lock, and its
+        result: model work outside any turn (a rebuild) runs on the steps' OpenMP team (see
+        :func:`.threads.own_threads`). Inline for a scheduler without a thread, or on its own thread."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            with self.lock:
+                return fn(*args)
+        done: Future = Future()
+        with self._cv:
+            if self._stopped or not self.alive:
+                raise Unavailable("the worker's scheduler is not running; retry")
+            self._calls.append((fn, args, done))
+            self._cv.notify()
+        while True:
+            try:
+                return done.result(timeout=1.0)
+            except TimeoutError:
+                if not self.alive:
+                    raise Unavailable("the worker's scheduler stopped; retry") from None
 
     def run_step(self) -> bool:
         """One step, run by the caller (a scheduler made with ``start=False``); False when idle."""
