@@ -101,7 +101,7 @@ class WorkerReplica:
         cfg = ServiceConfig(**config)
         cfg.load_policy_modules()  # sessions of those policies may be rebuilt here
         threads = max(1, int(cfg.cpus_per_replica))  # the scheduler thread's, which runs the steps
-        torch.set_num_threads(1)  # the load's: a team made here would slow every step (engine/scheduler.py)
+        torch.set_num_threads(1)  # the load's: a team made here would slow every step (engine/threads.py)
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         loaded = load_model(cfg.model, gguf_file=cfg.gguf_file, dtype=cfg.dtype)
         engine = Engine(

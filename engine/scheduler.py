@@ -103,8 +103,8 @@ class Scheduler:
         threads: int | None = None,
     ):
         """``start=False``: no thread; the caller runs the steps (:meth:`run_step`, for tests).
-        ``threads``: the torch (OpenMP) threads of the scheduler thread's steps (see
-        :meth:`_loop`); None leaves it at torch's default for a new thread."""
+        ``threads``: the torch (OpenMP) threads of the scheduler thread's steps, and one for
+        threads that start torch work after it (engine/threads.py); None leaves torch as it is."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.engine = engine
