@@ -18,6 +18,7 @@ fp16 or CUDA layer.
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 from torch import nn
@@ -35,10 +36,21 @@ def can_pack(weight: torch.Tensor) -> bool:
     return ops._is_mkldnn_bf16_supported()
 
 
+# module -> its packed weight. Kept beside the module, not in it: the packed tensor is opaque
+# (no storage), so a module holding it could not be deep-copied; a copy (tests build reference
+# models so) finds no entry here and takes the plain product, with the same results.
+_PACKED: weakref.WeakKeyDictionary[nn.Linear, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def is_packed(module: nn.Module) -> bool:
+    return module in _PACKED
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.dtype != torch.bfloat16:  # a caller in another dtype gets the plain product
+    packed = _PACKED.get(self)
+    if packed is None or x.dtype != torch.bfloat16:  # a copy, or another dtype: the plain product
         return nn.Linear.forward(self, x)
-    return torch.ops.mkldnn._linear_pointwise(x, self._kvsnap_packed, self.bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -47,12 +59,10 @@ def pack_linears(model: nn.Module) -> int:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     added = 0
     for module in model.modules():
-        if type(module) is not nn.Linear or module is head or hasattr(module, "_kvsnap_packed"):
-            continue
-        if not can_pack(module.weight):
+        if type(module) is not nn.Linear or module is head or module in _PACKED or not can_pack(module.weight):
             continue
         with torch.no_grad():
-            module._kvsnap_packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), ROWS_HINT)
+            _PACKED[module] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), ROWS_HINT)
         module.forward = types.MethodType(_packed_forward, module)
         added += module.weight.numel() * module.weight.element_size()
     return added
@@ -61,6 +71,5 @@ def pack_linears(model: nn.Module) -> int:
 def unpack_linears(model: nn.Module) -> None:
     """Undo :func:`pack_linears` (benchmarks compare both in one run)."""
     for module in model.modules():
-        if hasattr(module, "_kvsnap_packed"):
-            del module._kvsnap_packed
+        if _PACKED.pop(module, None) is not None:
             del module.forward

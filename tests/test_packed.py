@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 from kvsnap.engine import Engine, SamplingParams, load_model
-from kvsnap.engine.packed import can_pack, pack_linears, unpack_linears
+from kvsnap.engine.packed import can_pack, is_packed, pack_linears, unpack_linears
 from kvsnap.policies import make_policy
 
 from .conftest import random_tokens
@@ -26,14 +28,14 @@ def _linears(model: nn.Module) -> list[nn.Linear]:
 def test_a_bf16_model_loads_packed_and_its_logits_are_bit_equal(name):
     model = load_model(name, dtype="bfloat16").model
     head = model.get_output_embeddings()
-    packed = [m for m in _linears(model) if hasattr(m, "_kvsnap_packed")]
+    packed = [m for m in _linears(model) if is_packed(m)]
     assert packed and head not in packed and len(packed) == len(_linears(model)) - 1  # all but the LM head
     assert pack_linears(model) == 0  # idempotent
     ids = torch.tensor([random_tokens(40, seed=3)])
     with torch.inference_mode():
         out = model(ids).logits
         unpack_linears(model)
-        assert not any(hasattr(m, "_kvsnap_packed") for m in _linears(model))
+        assert not any(is_packed(m) for m in _linears(model))
         ref = model(ids).logits
     assert torch.equal(out, ref)
 
@@ -53,7 +55,7 @@ def test_packed_rows_do_not_depend_on_how_many_share_the_product():
 def test_float32_models_are_left_alone():
     model = load_model("tiny-llama").model  # float32 (the tiny presets' auto)
     assert pack_linears(model) == 0
-    assert not any(hasattr(m, "_kvsnap_packed") for m in _linears(model))
+    assert not any(is_packed(m) for m in _linears(model))
 
 
 @needs_bf16
@@ -64,3 +66,13 @@ def test_a_packed_engines_greedy_turn_equals_the_unpacked_ones():
     unpack_linears(engine.model)
     plain = engine.turn(engine.new_session(make_policy("full")), prompt, sampling).tokens
     assert packed == plain
+
+
+@needs_bf16
+def test_a_packed_model_deep_copies_and_the_copy_answers_the_same():
+    model = load_model("tiny-llama", dtype="bfloat16").model
+    twin = copy.deepcopy(model)  # the packed weights are opaque: the copy takes plain products
+    assert not any(is_packed(m) for m in _linears(twin))
+    ids = torch.tensor([random_tokens(30, seed=4)])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, twin(ids).logits)
