@@ -80,15 +80,26 @@ def ask(client, model: str, messages: list[dict], max_tokens: int) -> dict:
             "source": source}  # fmt: skip
 
 
-def new_tokens(tok_count, history: list[dict], previous: dict | None, messages: list[dict]) -> int:
+def ask_in_chat(client, model: str, tok_count, history: list, last: list, chat: int, text: str, max_tokens: int):
+    """Chat ``chat``'s next turn ``text``, asked (:func:`ask`) and recorded: its prompt's tokens,
+    what it adds to the chat (:func:`new_tokens`), the chat's history and last turn."""
+    messages = history[chat] + [{"role": "user", "content": text}]
+    got = ask(client, model, messages, max_tokens)
+    got["prompt_tokens"] = tok_count(messages)
+    got["new_tokens"] = new_tokens(got, last[chat])
+    history[chat], last[chat] = messages + [{"role": "assistant", "content": got["text"]}], got
+    return got
+
+
+def new_tokens(turn: dict, previous: dict | None) -> int:
     """What a follow-up adds to its chat: its prompt's tokens less the previous prompt's and the
     previous answer's, plus that answer's last token (sampled, never run through the model, so
     no server holds its KV): all that a server which kept the chat's KV has to prefill. The
     whole prompt for a first turn."""
     if previous is None:
-        return tok_count(messages)
+        return turn["prompt_tokens"]
     answer = previous["completion_tokens"]
-    return tok_count(messages) - tok_count(history[:-1]) - answer + (answer > 0)
+    return turn["prompt_tokens"] - previous["prompt_tokens"] - answer + (answer > 0)
 
 
 def conversations(server: Server, model: str, convs: list[dict], turns: int, in_flight: int, max_tokens: int):
@@ -104,12 +115,9 @@ def conversations(server: Server, model: str, convs: list[dict], turns: int, in_
     def one(i: int, turn: int) -> dict:
         fact = convs[i]["facts"][turn]
         text = f"{convs[i]['document']}\n\n{fact.question}" if turn == 0 else fact.question
-        messages = history[i] + [{"role": "user", "content": text}]
-        got = ask(client, model, messages, max_tokens)
-        got["new_tokens"] = new_tokens(tok_count, history[i], last[i], messages)
-        history[i], last[i] = messages + [{"role": "assistant", "content": got["text"]}], got
+        got = ask_in_chat(client, model, tok_count, history, last, i, text, max_tokens)
         right = fact.answer.lower() in got["text"].lower()
-        return got | {"chat": i, "turn": turn + 1, "right": right, "prompt_tokens": tok_count(messages)}
+        return got | {"chat": i, "turn": turn + 1, "right": right}
 
     with ThreadPoolExecutor(in_flight) as pool:
         for turn in range(turns):
@@ -203,10 +211,7 @@ def shared_phase(server: Server, model: str, args) -> dict:
         doc = docs[chat_docs[c]]
         fact = doc["facts"][(nth[c] + turn) % len(doc["facts"])]  # its own questions, where there are enough
         text = f"{doc['document']}\n\n{fact.question}" if turn == 0 else fact.question
-        messages = history[c] + [{"role": "user", "content": text}]
-        got = ask(client, model, messages, args.max_tokens)
-        got["new_tokens"] = new_tokens(tok_count, history[c], last[c], messages)
-        history[c], last[c] = messages + [{"role": "assistant", "content": got["text"]}], got
+        got = ask_in_chat(client, model, tok_count, history, last, c, text, args.max_tokens)
         right = fact.answer.lower() in got["text"].lower()
         return got | {"chat": c, "turn": turn + 1, "first_on_doc": nth[c] == 0 and turn == 0, "right": right}
 
