@@ -42,13 +42,25 @@ def top_ops(prof, n: int = 6) -> list[dict]:
     return [{"op": e.key, "share": round(e.self_cpu_time_total / total, 3), "calls": e.count} for e in rows]
 
 
-def measure_steps(engine: Engine, sessions: list, steps: int) -> dict:
-    for _ in range(2):
+def step_ms(engine: Engine, sessions: list, steps: int, warm: int = 1) -> float:
+    """The mean time of ``steps`` decode steps of ``sessions`` (after ``warm`` untimed ones), ms."""
+    for _ in range(warm):
         step(engine, sessions)
     began = time.perf_counter()
     for _ in range(steps):
         step(engine, sessions)
-    ms = (time.perf_counter() - began) / steps * 1000
+    return (time.perf_counter() - began) / steps * 1000
+
+
+def prefill_s(engine: Engine, doc: list[int]) -> float:
+    """One full-KV session's prefill of ``doc``, seconds."""
+    began = time.perf_counter()
+    engine.prefill(engine.new_session(make_policy("full")), doc)
+    return time.perf_counter() - began
+
+
+def measure_steps(engine: Engine, sessions: list, steps: int) -> dict:
+    ms = step_ms(engine, sessions, steps, warm=2)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step(engine, sessions)
     return {"step_ms": round(ms, 1), "tokens_per_s": round(len(sessions) * 1000 / ms, 1), "top_ops": top_ops(prof)}

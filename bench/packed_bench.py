@@ -14,29 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
-from decode_bench import sessions_on, step
+from decode_bench import prefill_s, sessions_on, step_ms
 from dtype_bench import DOC
 
 from kvsnap.engine import Engine, load_model
 from kvsnap.engine.packed import pack_linears, unpack_linears
-from kvsnap.policies import make_policy
-
-
-def decode_ms(engine: Engine, sessions: list, steps: int) -> float:
-    step(engine, sessions)  # warm
-    began = time.perf_counter()
-    for _ in range(steps):
-        step(engine, sessions)
-    return (time.perf_counter() - began) / steps * 1000
-
-
-def prefill_s(engine: Engine, doc: list[int]) -> float:
-    began = time.perf_counter()
-    engine.prefill(engine.new_session(make_policy("full")), doc)
-    return time.perf_counter() - began
 
 
 def side_by_side(model: torch.nn.Module, measure, reps: int) -> dict:
@@ -56,7 +40,7 @@ def measure(engine: Engine, doc: list[int], rows: dict, args) -> None:
         sessions = sessions_on(engine, doc[:length], 8)
         for count in (1, 8):
             key = f"decode_ms_{count}_{label}"
-            steps = lambda s=sessions[:count]: decode_ms(engine, s, args.steps)  # noqa: E731
+            steps = lambda s=sessions[:count]: step_ms(engine, s, args.steps)  # noqa: E731
             rows[key] = side_by_side(engine.model, steps, args.reps)
             print(engine.loaded.name, key, rows[key], flush=True)
     rows["prefill_s_long"] = side_by_side(engine.model, lambda: prefill_s(engine, doc), args.reps)
@@ -82,7 +66,7 @@ def main() -> None:
         unpack_linears(model)
         rows = {"packed_mib": round(pack_linears(model) / 2**20, 1)}
         doc = engine.encode(DOC)[: args.tokens]
-        engine.prefill(engine.new_session(make_policy("full")), doc[:256])  # warm-up
+        prefill_s(engine, doc[:256])  # warm-up
         measure(engine, doc, rows, args)
         report[name] = rows
     if args.out:

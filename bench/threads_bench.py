@@ -28,7 +28,7 @@ import torch
 
 
 def child(case: str, model: str, tokens: int) -> dict:
-    from decode_bench import sessions_on, step
+    from decode_bench import prefill_s, sessions_on, step_ms
     from dtype_bench import DOC
 
     from kvsnap.engine import Engine, SamplingParams, load_model
@@ -41,18 +41,11 @@ def child(case: str, model: str, tokens: int) -> dict:
     doc = engine.encode(DOC)[:2048]
 
     def steps() -> float:
-        sessions = sessions_on(engine, doc[:64], 8)
-        step(engine, sessions)
-        began = time.perf_counter()
-        for _ in range(10):
-            step(engine, sessions)
-        return (time.perf_counter() - began) / 10 * 1000
+        return step_ms(engine, sessions_on(engine, doc[:64], 8), 10)
 
     def prefill() -> float:
-        engine.prefill(engine.new_session(make_policy("full")), doc[:128])
-        began = time.perf_counter()
-        engine.prefill(engine.new_session(make_policy("full")), doc)
-        return time.perf_counter() - began
+        prefill_s(engine, doc[:128])  # warm
+        return prefill_s(engine, doc)
 
     out = {"decode_step_ms_8": round(scheduler.call(steps), 1), "prefill_2k_s": round(scheduler.call(prefill), 2)}
     sampling = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
