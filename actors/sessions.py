@@ -53,8 +53,9 @@ class SessionStore(Loading, Rewinds, Liveness):
         self.held: dict[str, Held] = {}
         self.counters: Counter = Counter()  # rebuilds, tier hits, imports, offline turns, resyncs, conflicts
         self.lock = threading.RLock()  # the held map and the tiers
-        self.model_lock = threading.RLock()  # the model's (the worker's): a rebuild runs it between batch steps
-        # model work outside any turn (a rebuild): the worker runs it on its scheduler's thread
+        # model work outside any turn (a rebuild): under this store's own model lock, unless a
+        # worker hands it to its scheduler (Scheduler.call: between steps, on the model's thread)
+        self.model_lock = threading.RLock()
         self.model_work = self._under_model_lock
         self.claims = Claims()  # sessions with a turn in progress
         self.claimed, self.wait_idle = self.claims.claimed, self.claims.wait_idle

@@ -57,8 +57,7 @@ class Worker:
         self.sessions = SessionStore(engine, directory, store, worker_id)
         self.worker_id = self.sessions.worker_id
         self.directory, self.store, self.counters = directory, store, self.sessions.counters
-        self._model = threading.RLock()  # the model: held by the scheduler for each step, and by rebuilds
-        self.sessions.model_lock = self._model
+        self._model = threading.RLock()  # the model: held by the scheduler for each step and each rebuild
         self.scheduler = Scheduler(engine, self._model, max_batch=max_batch, step_tokens=step_tokens, threads=threads)
         self.sessions.model_work = self.scheduler.call  # rebuilds on the steps' thread and OpenMP team
         self._stop = threading.Event()

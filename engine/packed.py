@@ -54,8 +54,8 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Pack every bf16 CPU ``nn.Linear`` of ``model`` but its LM head; returns the bytes the
-    packed copies take (0: nothing to pack). Idempotent."""
+    """Pack every bf16 CPU ``nn.Linear`` of ``model`` but its LM head; returns the bytes of the
+    weights it packed, which their packed copies take again (0: nothing to pack). Idempotent."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     added = 0
     for module in model.modules():

@@ -26,6 +26,12 @@ def own_threads(threads: int) -> None:
     helper thread sets that default back to one."""
     torch.set_num_threads(threads)
     torch.get_num_threads()  # this thread's own setting, taken now (torch reads it once per thread)
-    helper = threading.Thread(target=torch.set_num_threads, args=(1,), name="kvsnap-threads")
+    set_default_threads(1)
+
+
+def set_default_threads(threads: int) -> None:
+    """The torch threads a thread takes when it first runs torch work, leaving the calling
+    thread's own: set from a short helper thread of its own."""
+    helper = threading.Thread(target=torch.set_num_threads, args=(threads,), name="kvsnap-threads")
     helper.start()
     helper.join()

@@ -12,6 +12,7 @@ import torch
 
 from kvsnap.engine import SamplingParams
 from kvsnap.engine.scheduler import Scheduler
+from kvsnap.engine.threads import set_default_threads
 from kvsnap.errors import Unavailable
 from kvsnap.policies import make_policy
 
@@ -22,8 +23,7 @@ from .conftest import random_tokens
 def restore_default_threads():
     before = torch.get_num_threads()
     yield
-    with ThreadPoolExecutor(1) as pool:  # threads started from now on take the main thread's again
-        pool.submit(torch.set_num_threads, before).result()
+    set_default_threads(before)  # threads started from now on take the main thread's again
 
 
 def _threads_of_a_new_thread() -> int:
