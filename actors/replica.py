@@ -30,7 +30,7 @@ from ray import serve
 
 from kvsnap.actors.turns import TurnRequest
 from kvsnap.actors.worker import Worker
-from kvsnap.engine import Engine, load_model
+from kvsnap.engine import Engine, kernels, load_model
 from kvsnap.errors import NotFound
 from kvsnap.policies.kivi import parse_kivi
 from kvsnap.service.config import ServiceConfig
@@ -125,7 +125,18 @@ class WorkerReplica:
         self.worker.start_heartbeat(interval_s=2.0)
         self.ongoing = 0
         pid = os.getpid()
-        log.info("worker %s ready: %s on %s, %s (pid %d)", self.worker_id, cfg.model, loaded.device, loaded.dtype, pid)
+        # bf16 on a CPU: decode rows take the C kernel when it builds here (engine/kernels.py)
+        fused = loaded.dtype == torch.bfloat16 and loaded.device.type == "cpu" and kernels.kernel() is not None
+        attention = "one-token attention kernel" if fused else "torch attention"
+        log.info(
+            "worker %s ready: %s on %s, %s, %s (pid %d)",
+            self.worker_id,
+            cfg.model,
+            loaded.device,
+            loaded.dtype,
+            attention,
+            pid,
+        )
 
     # Ray Serve calls this periodically; the affinity router reads it from each replica. Async, so
     # it answers from the replica's event loop even while every request thread is busy.

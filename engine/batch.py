@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from . import kernels
 from .cache import SlidingLayer
 from .session import Session
 
@@ -110,18 +111,30 @@ def _mask(q: int, k: int, layer, device) -> torch.Tensor | None:
 def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values: RaggedKV, **kwargs):
     """``attend`` (an attention function) row by row; query ``[1, H, T, D]`` -> ``[1, T, H, D]``.
     A one-token row in bf16 / fp16 on a CPU takes :func:`one_token_attention` instead."""
-    outputs = []
+    outputs, fused = [], []  # fused: the one-token rows the kernel takes, in one call (engine/kernels.py)
     layer_idx = getattr(module, "layer_idx", None)
     own = _one_token_pays(query) and kwargs.get("softcap") is None
+    fast = own and kernels.kernel() is not None
+    scale = kwargs.get("scaling")
     for b, (start, end) in enumerate(keys.spans):
         q = query[:, :, start:end]
         capture = keys.captures[b]
         if capture is not None and layer_idx in capture.layers:
-            capture.add(layer_idx, q, kwargs.get("scaling"), keys[b])
+            capture.add(layer_idx, q, scale, keys[b])
         if own and end - start == 1:
-            outputs.append(one_token_attention(q, keys[b], values[b], kwargs.get("scaling")))
+            if fast and kernels.fits(q, keys[b], values[b]):
+                fused.append((b, q))
+                outputs.append(None)
+            else:
+                outputs.append(one_token_attention(q, keys[b], values[b], scale))
         else:
             outputs.append(attend(module, q, keys[b], values[b], keys.masks[b], **kwargs)[0])
+    if fused:
+        rows = [b for b, _ in fused]
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        done = kernels.one_token_rows([q for _, q in fused], [keys[b] for b in rows], [values[b] for b in rows], scale)
+        for b, out in zip(rows, done, strict=True):
+            outputs[b] = out
     return torch.cat(outputs, dim=1), None
 
 

@@ -3,10 +3,12 @@ torch's SDPA computes, and the path every decode row of a bf16 step takes."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
-from kvsnap.engine import SamplingParams
+from kvsnap.engine import SamplingParams, kernels
 from kvsnap.policies import make_policy
 
 from .conftest import random_tokens
@@ -38,6 +40,7 @@ def test_bf16_decode_rows_take_one_token_attention_and_prompt_chunks_sdpa(tiny_e
     a prompt chunk's rows through SDPA with their causal mask."""
     from kvsnap.engine import Engine, batch, load_model
 
+    monkeypatch.setattr(batch.kernels, "kernel", lambda: None)  # the torch path (the kernel's test is below)
     engine = Engine(load_model(tiny_engine.loaded.name, dtype="bfloat16"), prefill_chunk=16)
     calls = []
     real = batch.one_token_attention
@@ -48,3 +51,63 @@ def test_bf16_decode_rows_take_one_token_attention_and_prompt_chunks_sdpa(tiny_e
     engine.turn(session, random_tokens(3, seed=6), SamplingParams(max_new_tokens=4, ignore_eos=True))
     layers = engine.model.config.num_hidden_layers
     assert calls == [1] * (3 * layers)  # the turn's 3 decode steps (its 4th token stays pending)
+
+
+needs_kernel = pytest.mark.skipif(kernels.kernel() is None, reason="no C compiler: the torch path runs")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", [64, 256])
+def test_kernel_is_one_token_attention_within_float32_rounding(dim):
+    """engine/kernels.py's C kernel, rows of different lengths in one call (one on a strided
+    view of a longer buffer, as a cache layer holds), against the torch path row by row."""
+    from kvsnap.engine.batch import one_token_attention
+
+    gen = torch.Generator().manual_seed(3)
+    queries, keys, values = [], [], []
+    for n in (1, 37, 300):
+        queries.append((torch.randn(1, 8, 1, dim, generator=gen) * 2).bfloat16())
+        buf = (torch.randn(2, 1, 2, n + 5, dim, generator=gen) * 2).bfloat16()
+        keys.append(buf[0, :, :, :n])  # a view: head stride (n + 5) * dim
+        values.append(buf[1, :, :, :n])
+    assert all(kernels.fits(q, k, v) for q, k, v in zip(queries, keys, values, strict=True))
+    got = kernels.one_token_rows(queries, keys, values, 0.1)
+    for q, k, v, out in zip(queries, keys, values, got, strict=True):
+        want = one_token_attention(q, k, v, 0.1)
+        assert out.shape == want.shape == (1, 1, 8, dim) and out.dtype == torch.bfloat16
+        # both accumulate in float32; they differ by the order of the sums, then one bf16 rounding
+        assert (out.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+
+
+@needs_kernel
+def test_kernel_takes_every_decode_row_of_a_layer_in_one_call_and_answers_as_torch(tiny_engine, monkeypatch):
+    """With the kernel, a bf16 step's one-token rows go to it in one call per layer, and a
+    batch of greedy turns gives the tokens the torch path gives."""
+    from kvsnap.engine import Engine, batch, load_model
+    from kvsnap.engine.scheduler import Scheduler
+
+    def tokens(use_kernel: bool) -> tuple[list[list[int]], list[int]]:
+        calls = []
+        real = kernels.one_token_rows
+        with monkeypatch.context() as m:
+            if not use_kernel:
+                m.setattr(batch.kernels, "kernel", lambda: None)
+            m.setattr(kernels, "one_token_rows", lambda q, *a: (calls.append(len(q)), real(q, *a))[1])
+            engine = Engine(load_model(tiny_engine.loaded.name, dtype="bfloat16"), prefill_chunk=64)
+            scheduler = Scheduler(engine, threading.RLock(), max_batch=4, start=False)
+            params = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0)
+            jobs = []
+            for i in range(3):
+                session = engine.new_session(make_policy("full"))
+                jobs.append(
+                    scheduler.submit(scheduler.job(engine.start(session, random_tokens(30 + 7 * i, seed=i), params)))
+                )
+            while not all(job.ended.is_set() for job in jobs):
+                scheduler.run_step()
+            out = [list(job) for job in jobs]
+        return out, calls
+
+    torch_tokens, torch_calls = tokens(False)
+    kernel_tokens, kernel_calls = tokens(True)
+    assert torch_calls == [] and kernel_calls and max(kernel_calls) > 1  # rows of a layer share a call
+    assert kernel_tokens == torch_tokens
