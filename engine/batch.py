@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from . import kernels
 from .cache import SlidingLayer
@@ -75,6 +76,7 @@ class BatchCache:
     def __init__(self, rows: list[Row]):
         self.rows = rows
         self.layers = rows[0].session.cache.layers  # layer kinds, for code that inspects them
+        self._masks: dict[tuple, torch.Tensor | None] = {}  # (q, k, window) -> mask, made once a step
         self.spans, start = [], 0
         for row in rows:
             self.spans.append((start, start + len(row.tokens)))
@@ -88,24 +90,36 @@ class BatchCache:
             k, v = layer.update(key_states[:, :, start:end], value_states[:, :, start:end])
             keys.append(k)
             values.append(v)
-            masks.append(_mask(end - start, k.shape[-2], layer, k.device))
+            masks.append(self._mask(end - start, k.shape[-2], layer, k))
         return keys, values
+
+    def _mask(self, q: int, k: int, layer, like: torch.Tensor) -> torch.Tensor | None:
+        """:func:`mask` for this step, made once for all the layers that share its shape."""
+        window = layer.sliding_window if isinstance(layer, SlidingLayer) else None
+        key = (q, k, window)
+        if key not in self._masks:
+            self._masks[key] = mask(q, k, window, like)
+        return self._masks[key]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise NotImplementedError("a packed step has one length per row: pass position_ids")
 
 
-def _mask(q: int, k: int, layer, device) -> torch.Tensor | None:
-    """``[1, 1, q, k]`` (True = attend) for ``q`` new tokens that are the last ``q`` of ``k`` rows:
-    causal, and on a sliding layer within its window. None for one token (it sees every row)."""
+def mask(q: int, k: int, window: int | None, like: torch.Tensor) -> torch.Tensor | None:
+    """``[1, 1, q, k]`` additive mask (0 = attend, -inf = not) in ``like``'s dtype and device for
+    ``q`` new tokens that are the last ``q`` of ``k`` rows: causal, and within ``window`` rows on
+    a sliding layer. None for one token (it sees every row). SDPA turns a boolean mask into this
+    one on every call; made once, its results are the same (bit for bit) and its calls faster."""
     if q == 1:
         return None
-    i = torch.arange(q, device=device).unsqueeze(1) + (k - q)  # each query's row index
-    j = torch.arange(k, device=device).unsqueeze(0)
-    visible = j <= i
-    if isinstance(layer, SlidingLayer):
-        visible &= j > i - layer.sliding_window
-    return visible[None, None]
+    i = torch.arange(q, device=like.device).unsqueeze(1) + (k - q)  # each query's row index
+    j = torch.arange(k, device=like.device).unsqueeze(0)
+    hidden = j > i
+    if window is not None:
+        hidden |= j <= i - window
+    return torch.zeros(hidden.shape, dtype=like.dtype, device=like.device).masked_fill_(hidden, float("-inf"))[
+        None, None
+    ]
 
 
 def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values: RaggedKV, **kwargs):
@@ -136,6 +150,18 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
         for b, out in zip(rows, done, strict=True):
             outputs[b] = out
     return torch.cat(outputs, dim=1), None
+
+
+def chunk_attention(
+    module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scaling=None, **kwargs
+):
+    """A prompt chunk's rows on a CPU: SDPA with the row's mask, each KV head shared by its query
+    heads (transformers' SDPA wrapper copies keys and values once per query head when a mask
+    is given; the results are the same, bit for bit). Query ``[1, H, T, D]`` -> ``[1, T, H, D]``."""
+    out = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != keys.shape[1]
+    )
+    return out.transpose(1, 2), None
 
 
 def _one_token_pays(query: torch.Tensor) -> bool:

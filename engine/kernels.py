@@ -1,18 +1,23 @@
-"""A decode step's one-token attention in one pass over bf16 keys and values (CPU).
+"""A decode step's one-token attention over bf16 keys and values, in C (CPU).
 
 ``engine/batch.py``'s :func:`~.batch.one_token_attention` converts each row's bf16 keys and
-values to float32 and then multiplies: the copies and the second read are half of a decode
-step with 8 sessions on 2K-row caches (docs/BENCHMARKS.md, "The decode step"). The C function
-here reads each key and value row once, widens it in registers and accumulates in float32, as
-that function (and SDPA) do, so its output is theirs up to float32 rounding order. One call
-runs every one-token row of a layer; each row is computed on its own, so a row's result never
-depends on which rows share the step.
+values to float32 and then multiplies: the copies and the second read made it most of a
+decode step with 8 sessions on 2K-row caches (docs/BENCHMARKS.md, "The decode step"). The C
+function here reads each key and value once, widens it in registers (AVX-512 where the CPU
+has it, plain C the compiler vectorizes elsewhere) and accumulates in float32, as that
+function and SDPA do, so its output is theirs up to float32 rounding order. One call runs
+every one-token row of a layer.
+
+Work is split into units of one row, one KV head and one block of :data:`BLOCK` keys, spread
+over torch's own OpenMP threads (the library links ``libgomp.so.1``, which resolves to the
+copy torch already loaded, so the model thread's team runs it: no second thread pool). A
+head's blocks are joined in their order, so a row's result depends neither on the rows that
+share the call nor on the thread count (tests/test_one_token_attention.py).
 
 The source is compiled on first use with the machine's C compiler (``cc``) into a cache folder
-keyed by the source and flags, and loaded with ctypes: no torch headers, no build step at
+keyed by the source, flags and CPU, and loaded with ctypes: no torch headers, no build step at
 install. Without a compiler (or with ``KVSNAP_ATTENTION_KERNEL=0``) :func:`kernel` is None and
-the torch path runs, as before. Single-threaded: a second OpenMP runtime beside torch's would
-oversubscribe the cores (docs/BENCHMARKS.md, "OpenMP teams").
+the torch path runs.
 """
 
 from __future__ import annotations
@@ -32,58 +37,186 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MAX_DIM = 256  # head dims up to this (SmolLM2 64, Gemma 3 256)
+MAX_GROUP = 16  # query heads per KV head (the C code's MAXG)
+BLOCK = 256  # keys per unit of work (the C code's BLK)
 
 SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define BLK 256   /* a row's keys are cut into blocks of this many, each a work unit, joined in order */
+#define MAXG 16   /* query heads per KV head */
 
 static inline float widen(uint16_t x) { uint32_t u = ((uint32_t)x) << 16; float f; memcpy(&f, &u, 4); return f; }
 
-/* Row r: query q + r*H*D (float32, [H, D]); keys / values [Hkv, L[r], D] bf16 with head
-   strides khs[r] / vhs[r] and rows of D contiguous values; out + r*H*D (float32). Query head
-   h*G + g reads KV head h (grouped-query attention). scratch: G * max(L) floats. */
-void one_token_rows(int R, const float *q, const uint16_t **k, const uint16_t **v, const long *L,
-                    const long *khs, const long *vhs, int H, int Hkv, int D, float scale,
-                    float *out, float *scratch) {
-    int G = H / Hkv;
-    float kf[256];
-    for (int r = 0; r < R; r++) {
-        long n = L[r];
-        for (int h = 0; h < Hkv; h++) {
-            const uint16_t *K = k[r] + h * khs[r], *V = v[r] + h * vhs[r];
-            const float *qh = q + ((long)r * H + h * G) * D;
-            for (long l = 0; l < n; l++) {
-                const uint16_t *kr = K + l * D;
-                for (int d = 0; d < D; d++) kf[d] = widen(kr[d]);
-                for (int g = 0; g < G; g++) {
-                    const float *qg = qh + g * D;
-                    float acc = 0.f;
-                    #pragma omp simd reduction(+:acc)
-                    for (int d = 0; d < D; d++) acc += qg[d] * kf[d];
-                    scratch[g * n + l] = acc * scale;
-                }
-            }
-            for (int g = 0; g < G; g++) {
-                float *s = scratch + g * n, m = -3.4e38f, sum = 0.f;
-                for (long l = 0; l < n; l++) m = s[l] > m ? s[l] : m;
-                for (long l = 0; l < n; l++) { s[l] = expf(s[l] - m); sum += s[l]; }
-                float *o = out + ((long)r * H + h * G + g) * D, inv = 1.f / sum;
-                for (int d = 0; d < D; d++) o[d] = 0.f;
-                for (long l = 0; l < n; l++) {
-                    const uint16_t *vr = V + l * D;
-                    float w = s[l] * inv;
-                    #pragma omp simd
-                    for (int d = 0; d < D; d++) o[d] += w * widen(vr[d]);
-                }
-            }
+/* One block of one KV head: keys / values [n, D] bf16 (rows of D), queries q [G, D] float32.
+   Writes m[g] (the block's largest score), s[g] (sum of exp(score - m[g])) and the unnormalised
+   o[g][D] = sum_l exp(score_l - m[g]) * v_l. sc: G * BLK floats of scratch. */
+static void block_generic(const float *q, const uint16_t *K, const uint16_t *V, long n, int G, int D,
+                          float scale, float *sc, float *m, float *s, float *o) {
+    for (long l = 0; l < n; l++) {
+        const uint16_t *kr = K + l * D;
+        for (int g = 0; g < G; g++) {
+            const float *qg = q + g * D;
+            float acc = 0.f;
+            #pragma omp simd reduction(+:acc)
+            for (int d = 0; d < D; d++) acc += qg[d] * widen(kr[d]);
+            sc[g * BLK + l] = acc * scale;
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float *p = sc + g * BLK, mx = -INFINITY, sum = 0.f;
+        for (long l = 0; l < n; l++) mx = p[l] > mx ? p[l] : mx;
+        #pragma omp simd reduction(+:sum)
+        for (long l = 0; l < n; l++) { p[l] = expf(p[l] - mx); sum += p[l]; }
+        m[g] = mx; s[g] = sum;
+        float *og = o + g * D;
+        for (int d = 0; d < D; d++) og[d] = 0.f;
+        for (long l = 0; l < n; l++) {
+            const uint16_t *vr = V + l * D;
+            float w = p[l];
+            #pragma omp simd
+            for (int d = 0; d < D; d++) og[d] += w * widen(vr[d]);
         }
     }
 }
+
+#if defined(__AVX512F__)
+static inline __m512 load16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* The same block with AVX-512, for a constant G (inlined per G, so the accumulators stay in
+   registers) and D a multiple of 16. */
+static inline __attribute__((always_inline)) void block_avx(const float *q, const uint16_t *K, const uint16_t *V,
+        long n, const int G, int D, float scale, float *sc, float *m, float *s, float *o) {
+    for (long l = 0; l < n; l++) {
+        const uint16_t *kr = K + l * D;
+        __m512 acc[MAXG];
+        for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+        for (int c = 0; c < D; c += 16) {
+            __m512 k = load16(kr + c);
+            for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + c), k, acc[g]);
+        }
+        for (int g = 0; g < G; g++) sc[g * BLK + l] = _mm512_reduce_add_ps(acc[g]) * scale;
+    }
+    for (int g = 0; g < G; g++) {
+        float *p = sc + g * BLK, mx = -INFINITY, sum = 0.f;
+        for (long l = 0; l < n; l++) mx = p[l] > mx ? p[l] : mx;
+        #pragma omp simd reduction(+:sum)
+        for (long l = 0; l < n; l++) { p[l] = expf(p[l] - mx); sum += p[l]; }
+        m[g] = mx; s[g] = sum;
+    }
+    /* o = p @ V, 64 (G <= 4) or 32 / 16 dims of every query head at a time */
+    const int W = G <= 4 ? 4 : (G <= 8 ? 2 : 1);
+    for (int c = 0; c < D; c += 16 * W) {
+        int w = (D - c) / 16 < W ? (D - c) / 16 : W;
+        __m512 acc[MAXG][4];
+        for (int g = 0; g < G; g++) for (int j = 0; j < 4; j++) acc[g][j] = _mm512_setzero_ps();
+        for (long l = 0; l < n; l++) {
+            const uint16_t *vr = V + l * D + c;
+            __m512 v[4];
+            for (int j = 0; j < w; j++) v[j] = load16(vr + 16 * j);
+            for (int g = 0; g < G; g++) {
+                __m512 p = _mm512_set1_ps(sc[g * BLK + l]);
+                for (int j = 0; j < w; j++) acc[g][j] = _mm512_fmadd_ps(p, v[j], acc[g][j]);
+            }
+        }
+        for (int g = 0; g < G; g++) for (int j = 0; j < w; j++) _mm512_storeu_ps(o + g * D + c + 16 * j, acc[g][j]);
+    }
+}
+#endif
+
+static void block(const float *q, const uint16_t *K, const uint16_t *V, long n, int G, int D,
+                  float scale, float *sc, float *m, float *s, float *o) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        switch (G) {
+            case 1: block_avx(q, K, V, n, 1, D, scale, sc, m, s, o); return;
+            case 2: block_avx(q, K, V, n, 2, D, scale, sc, m, s, o); return;
+            case 3: block_avx(q, K, V, n, 3, D, scale, sc, m, s, o); return;
+            case 4: block_avx(q, K, V, n, 4, D, scale, sc, m, s, o); return;
+            case 5: block_avx(q, K, V, n, 5, D, scale, sc, m, s, o); return;
+            case 6: block_avx(q, K, V, n, 6, D, scale, sc, m, s, o); return;
+            case 7: block_avx(q, K, V, n, 7, D, scale, sc, m, s, o); return;
+            case 8: block_avx(q, K, V, n, 8, D, scale, sc, m, s, o); return;
+            default: break;
+        }
+    }
+#endif
+    block_generic(q, K, V, n, G, D, scale, sc, m, s, o);
+}
+
+/* R rows of one token each. Row r: query q + r*H*D (float32, [H, D]); keys / values [Hkv, L[r], D]
+   bf16 with head strides khs[r] / vhs[r] and rows of D contiguous values; out + r*H*D
+   (float32). Query head h*G + g reads KV head h (grouped-query attention). Each (row, KV head,
+   block of BLK keys) is one unit of work on one thread; the blocks of a head are joined in
+   their order, so a row's result depends neither on the other rows nor on the thread count.
+   Returns 0, or -1 when out of memory. */
+int one_token_rows(int R, const float *q, const uint16_t **k, const uint16_t **v, const long *L,
+                   const long *khs, const long *vhs, int H, int Hkv, int D, float scale,
+                   float *out, int threads) {
+    int G = H / Hkv;
+    long *first = malloc(sizeof(long) * (R + 1));  /* the first unit of each row */
+    if (!first) return -1;
+    first[0] = 0;
+    for (int r = 0; r < R; r++) first[r + 1] = first[r] + (long)Hkv * ((L[r] + BLK - 1) / BLK);
+    long units = first[R];
+    float *part = malloc(sizeof(float) * units * G * (D + 2));  /* per unit: m[G], s[G], o[G][D] */
+    if (!part) { free(first); return -1; }
+    #pragma omp parallel num_threads(threads)
+    {
+        float sc[MAXG * BLK];
+        int r = 0;
+        #pragma omp for schedule(static)
+        for (long u = 0; u < units; u++) {
+            while (first[r + 1] <= u) r++;
+            while (first[r] > u) r--;
+            long local = u - first[r], nb = (L[r] + BLK - 1) / BLK;
+            int h = (int)(local / nb);
+            long b = local % nb, l0 = b * BLK, n = L[r] - l0 < BLK ? L[r] - l0 : BLK;
+            float *pu = part + u * G * (D + 2);
+            block(q + ((long)r * H + h * G) * D, k[r] + h * khs[r] + l0 * D, v[r] + h * vhs[r] + l0 * D,
+                  n, G, D, scale, sc, pu, pu + G, pu + 2 * G);
+        }
+        #pragma omp for schedule(static)
+        for (long rh = 0; rh < (long)R * Hkv; rh++) {
+            int rr = (int)(rh / Hkv), h = (int)(rh % Hkv);
+            long nb = (L[rr] + BLK - 1) / BLK;
+            const float *p0 = part + (first[rr] + h * nb) * G * (D + 2);
+            for (int g = 0; g < G; g++) {
+                float mx = -INFINITY, sum = 0.f;
+                for (long b = 0; b < nb; b++) { float mb = p0[b * G * (D + 2) + g]; mx = mb > mx ? mb : mx; }
+                float *o = out + ((long)rr * H + h * G + g) * D;
+                for (int d = 0; d < D; d++) o[d] = 0.f;
+                for (long b = 0; b < nb; b++) {
+                    const float *pb = p0 + b * G * (D + 2);
+                    float f = expf(pb[g] - mx);
+                    sum += pb[G + g] * f;
+                    const float *ob = pb + 2 * G + g * D;
+                    #pragma omp simd
+                    for (int d = 0; d < D; d++) o[d] += f * ob[d];
+                }
+                float inv = 1.f / sum;
+                #pragma omp simd
+                for (int d = 0; d < D; d++) o[d] *= inv;
+            }
+        }
+    }
+    free(part);
+    free(first);
+    return 0;
+}
 """
-# -ffast-math lets the reductions and expf vectorize; the rows carry no mask, so no infinities.
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]
+# -ffast-math lets the reductions and expf vectorize (the scores carry no mask, so no infinities);
+# -fopenmp spreads the units over torch's threads, and without OpenMP the kernel runs on one.
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC"]
+PARALLEL = ("-fopenmp", "-fopenmp-simd")
 
 
 def _cache_dir() -> Path:
@@ -106,23 +239,32 @@ def _build() -> ctypes.CDLL | None:
     # -march=native: the library is this CPU's, so its flags are in the name (a shared home folder)
     digest = hashlib.sha256((SOURCE + " ".join(FLAGS) + compiler + _cpu_flags()).encode()).hexdigest()[:16]
     target = _cache_dir() / f"one_token_{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src, lib = Path(tmp) / "k.c", Path(tmp) / "k.so"
-            src.write_text(SOURCE)
-            done = subprocess.run([compiler, *FLAGS, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True)
-            if done.returncode != 0:
-                log.warning("the attention kernel did not compile (%s): torch's operators run", done.stderr[-500:])
-                return None
-            os.replace(lib, target)  # atomic: a concurrent build sees the whole file or none
+    if not target.exists() and not _compile(compiler, target):
+        return None
     lib = ctypes.CDLL(str(target))
     fn = lib.one_token_rows
-    fn.restype = None
+    fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    fn.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+    fn.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     return lib
+
+
+def _compile(compiler: str, target: Path) -> bool:
+    """Build ``target`` with OpenMP, or single-threaded where the compiler has no OpenMP runtime."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, lib = Path(tmp) / "k.c", Path(tmp) / "k.so"
+        src.write_text(SOURCE)
+        for parallel in PARALLEL:
+            done = subprocess.run(
+                [compiler, *FLAGS, parallel, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True
+            )
+            if done.returncode == 0:
+                os.replace(lib, target)  # atomic: a concurrent build sees the whole file or none
+                return True
+    log.warning("the attention kernel did not compile (%s): torch's operators run", done.stderr[-500:])
+    return False
 
 
 @functools.cache
@@ -138,12 +280,13 @@ def kernel() -> ctypes.CDLL | None:
 
 
 def fits(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether the kernel takes this row: bf16 on a CPU, head dim <= MAX_DIM, rows contiguous."""
+    """Whether the kernel takes this row: bf16 on a CPU, at most :data:`MAX_GROUP` query heads a
+    KV head, rows of contiguous values."""
     dim = query.shape[-1]
     return (
         query.device.type == "cpu"
         and query.dtype == keys.dtype == values.dtype == torch.bfloat16
-        and dim <= MAX_DIM
+        and query.shape[1] // keys.shape[1] <= MAX_GROUP
         and all(t.shape[0] == 1 and t.stride(-1) == 1 and t.stride(-2) == dim for t in (keys, values))
     )
 
@@ -156,10 +299,9 @@ def one_token_rows(queries: list[torch.Tensor], keys: list[torch.Tensor], values
     kv_heads, n = keys[0].shape[1], len(queries)
     q = torch.cat([x.reshape(heads, dim) for x in queries]).float().contiguous()  # [R * H, D]
     out = torch.empty(n * heads, dim)
-    scratch = torch.empty((heads // kv_heads) * max(k.shape[-2] for k in keys))
     ptrs = ctypes.c_void_p * n
     longs = ctypes.c_long * n
-    lib.one_token_rows(
+    failed = lib.one_token_rows(
         n,
         q.data_ptr(),
         ptrs(*(k.data_ptr() for k in keys)),
@@ -172,6 +314,8 @@ def one_token_rows(queries: list[torch.Tensor], keys: list[torch.Tensor], values
         dim,
         scale,
         out.data_ptr(),
-        scratch.data_ptr(),
+        torch.get_num_threads(),  # the calling thread's team (the model thread's: engine/threads.py)
     )
+    if failed:
+        raise MemoryError("the attention kernel could not allocate its work space")
     return list(out.to(torch.bfloat16).view(n, 1, 1, heads, dim).unbind(0))
