@@ -99,18 +99,15 @@ def fast_dtype(device: torch.device) -> torch.dtype:
 
 def resolve_dtype(choice: str | torch.dtype | None, device: torch.device, *, tiny: bool = False) -> torch.dtype:
     """``choice`` (``auto``, ``bfloat16``, ``float32``, a torch dtype, or None) on ``device``.
-    ``auto`` is :func:`fast_dtype`, except for the tiny test presets: float32, the dtype whose
-    exactness invariants the tests hold at tight tolerances (they ask for bfloat16 by name).
-    None keeps the service's default so far: bfloat16 on CUDA, float32 elsewhere (the measured
-    defaults and the quality results were taken in float32 on CPU; ``auto`` becomes the default
-    once they are measured again in bfloat16)."""
+    ``auto`` (and None, the default) is :func:`fast_dtype`, except for the tiny test presets:
+    float32, the dtype whose exactness invariants the tests hold at tight tolerances (they ask
+    for bfloat16 by name). The models' measured defaults answer in bfloat16 as in float32
+    (docs/BENCHMARKS.md, "Fact retrieval: the defaults")."""
     if isinstance(choice, torch.dtype):
         if choice not in DTYPES.values():
             raise InvalidArgument(f"dtype {choice} is not supported; choose one of {', '.join(DTYPE_CHOICES)}")
         return choice
-    if choice is None:
-        return torch.bfloat16 if device.type == "cuda" and not tiny else torch.float32
-    if choice == "auto":
+    if choice is None or choice == "auto":
         return torch.float32 if tiny else fast_dtype(device)
     if choice not in DTYPES:
         raise InvalidArgument(f"unknown dtype {choice!r}; choose one of {', '.join(DTYPE_CHOICES)}")
@@ -130,7 +127,7 @@ def load_model(
 ) -> LoadedModel:
     """Load ``name``: an embedded model (``gemma3-270m``, ``smollm2-135m``), a tiny preset, an HF
     model id or a local path, in ``dtype`` (:func:`resolve_dtype`: ``auto`` is the device's fast
-    one, None float32 on CPU; weights, activations and KV all take it).
+    one, and so is None; weights, activations and KV all take it).
 
     ``gguf_file`` names a GGUF file inside the ``name`` directory (transformers' ``gguf_file=``).
     """

@@ -41,7 +41,7 @@ class ServiceConfig(BaseModel):
     dtype: Literal["auto", "bfloat16", "float32"] | None = Field(
         None,
         description="weights, activations and KV: auto = the device's fast dtype (bfloat16 on CUDA and on CPUs "
-        "with AMX / AVX-512 BF16); unset: bfloat16 on CUDA, float32 on CPU",
+        "with AMX / AVX-512 BF16, else float32); unset: auto",
     )
     replicas: int = Field(2, ge=1, description="worker replicas (one model each)")
     cpus_per_replica: float = Field(1.0, gt=0, description="CPUs per worker replica; torch threads follow it")

@@ -24,8 +24,16 @@ def llama_engine() -> Engine:
 
 @pytest.fixture(scope="session")
 def gemma_engine() -> Engine:
-    """The embedded Gemma 3 270M (converted once into ~/.cache/kvsnap, then loaded in seconds)."""
+    """The embedded Gemma 3 270M (converted once into ~/.cache/kvsnap, then loaded in seconds),
+    in its default dtype (bfloat16 on CPUs with AMX / AVX-512 BF16)."""
     return Engine(load_model("gemma3-270m"), prefill_chunk=512)
+
+
+@pytest.fixture(scope="session")
+def gemma_fp32_engine() -> Engine:
+    """The embedded Gemma 3 270M in float32: the dtype whose exactness invariants (a batched
+    session's tokens and cache equal its run alone) hold bit for bit on a real model."""
+    return Engine(load_model("gemma3-270m", dtype="float32"), prefill_chunk=512)
 
 
 def random_tokens(n: int, seed: int, low: int = 3, high: int = 300) -> list[int]:

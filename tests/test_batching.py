@@ -259,8 +259,8 @@ def test_rows_only_ever_attend_to_their_own_session(llama_engine, monkeypatch):
 
 
 @pytest.mark.slow
-def test_gemma_sessions_in_a_batch_match_their_runs_alone(gemma_engine, monkeypatch):
-    engine = gemma_engine
+def test_gemma_sessions_in_a_batch_match_their_runs_alone(gemma_fp32_engine, monkeypatch):
+    engine = gemma_fp32_engine
     monkeypatch.setattr("kvsnap.engine.head.SCREEN_MIN_ROWS", 3)  # 6 in service: fewer sessions here
     scheduler = Scheduler(engine, threading.RLock(), max_batch=8, start=False)
     text = "The lighthouse keeper wrote down the weather every morning. " * 40

@@ -18,8 +18,8 @@ CPU = torch.device("cpu")
 
 
 def test_dtype_choices_resolve_and_bad_ones_are_refused():
-    assert resolve_dtype(None, CPU) == torch.float32  # the service's default on CPU
-    assert resolve_dtype("auto", CPU) == fast_dtype(CPU)
+    assert resolve_dtype(None, CPU) == resolve_dtype("auto", CPU) == fast_dtype(CPU)  # the default
+    assert resolve_dtype(None, CPU, tiny=True) == torch.float32
     assert resolve_dtype("auto", CPU, tiny=True) == torch.float32  # test presets: the exact dtype
     assert resolve_dtype("bfloat16", CPU, tiny=True) == torch.bfloat16
     assert resolve_dtype(torch.float32, CPU) == torch.float32

@@ -25,7 +25,8 @@ def test_snapkv_budget_256_still_finds_the_pass_key(gemma_engine: Engine, depth:
     # every full-attention layer holds budget + window (+ the generated tokens but the pending last one)
     assert report.kept_len == 256 + 32 + len(result.tokens) - 1
     full_layers = sum(t == "full_attention" for t in gemma_engine.model.config.layer_types)
-    row_bytes = 2 * gemma_engine.model.config.num_key_value_heads * gemma_engine.model.config.head_dim * 4
+    row_bytes = 2 * gemma_engine.model.config.num_key_value_heads * gemma_engine.model.config.head_dim
+    row_bytes *= gemma_engine.model.dtype.itemsize  # the KV takes the model's dtype
     saved = full_layers * (report.logical_len - report.kept_len) * row_bytes
     assert report.full_kv_bytes - report.kv_bytes == saved > 0
 

@@ -17,9 +17,10 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
+import torch
 
 from kvsnap.engine.defaults import default_settings
-from kvsnap.engine.models import tokenizer_for
+from kvsnap.engine.models import dtype_name, fast_dtype, tokenizer_for
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +85,8 @@ def test_kvsnap_serve_from_a_fresh_directory_answers_and_stops_cleanly(tmp_path)
             if time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        assert (health["model"], health["dtype"]) == ("gemma3-270m", ["float32"]) and health["workers"] >= 1, health
+        fast = dtype_name(fast_dtype(torch.device("cpu")))  # the default: bfloat16 on CPUs with AMX / AVX-512 BF16
+        assert (health["model"], health["dtype"]) == ("gemma3-270m", [fast]) and health["workers"] >= 1, health
         defaults = default_settings("gemma3-270m")  # no settings given: the model's measured defaults
         assert made.json()["policy"].startswith(f"{defaults['policy']}("), made.json()
         assert all(f"{k}={v}" in made.json()["policy"] for k, v in defaults.items() if k in ("ratio", "spans"))

@@ -23,9 +23,8 @@ import time
 from kvsnap.errors import KvsnapError
 
 from . import clients
+from .clients import DTYPES
 from .eval_cli import add_eval_parser
-
-DTYPES = ("auto", "bfloat16", "float32")  # engine/models.py DTYPE_CHOICES (the CLI does not import torch to parse)
 
 # Where the CLI's defaults differ from the policies' own (kvsnap generate has always used these).
 CLI_POLICY_DEFAULTS = {"budget": 256, "window": 32}
@@ -174,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--gguf-file", default=None, help="GGUF file name inside --model's directory")
     gen.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
-    gen.add_argument("--dtype", default=None, choices=DTYPES, help="default: bfloat16 on CUDA, float32 on CPU")
+    gen.add_argument("--dtype", default=None, choices=DTYPES, help="default auto: the device's fast one")
     gen.add_argument("--prompt", default=None, help="prompt text (default: a generated pass-key document)")
     gen.add_argument("--prompt-file", default=None, help="read the prompt from this file")
     gen.add_argument("--context-tokens", type=int, default=1500, help="length of the default pass-key prompt")
@@ -192,7 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--replicas", type=int, default=None, help="worker replicas (default 2)")
     srv.add_argument(
-        "--dtype", default=None, choices=DTYPES, help="auto: the device's fast one; default: float32 on CPU"
+        "--dtype",
+        default=None,
+        choices=DTYPES,
+        help="default auto: the device's fast one (bfloat16 on CUDA and CPUs with AMX / AVX-512 BF16)",
     )
     srv.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     srv.add_argument("--http-port", type=int, default=None, help="default 8000")

@@ -7,6 +7,8 @@ import os
 
 from kvsnap.errors import InvalidArgument
 
+DTYPES = ("auto", "bfloat16", "float32")  # engine/models.py DTYPE_CHOICES (the CLI does not import torch to parse)
+
 
 def csv(kind):
     """An argparse type: comma-separated values of ``kind``."""

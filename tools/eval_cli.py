@@ -7,7 +7,7 @@ import sys
 import time
 
 from . import clients
-from .clients import csv
+from .clients import DTYPES, csv
 
 # `kvsnap eval --quick`: a small version that runs in a minute or two on 2 CPU cores
 QUICK_EVAL = dict(lengths=(1024,), depths=(0.2, 0.8), keys=3, seeds=1, policies=("full", "snapkv:256", "streaming:256"))
@@ -38,8 +38,9 @@ def cmd_eval(args) -> int:
         from kvsnap.engine import Engine, load_model
 
         print(f"loading model {args.model!r}...", file=sys.stderr, flush=True)
-        engine = Engine(load_model(args.model, device=args.device))
-        backend, where, tokenizer = quality.InProcess(engine), f"in-process on {engine.device}", engine.tokenizer
+        engine = Engine(load_model(args.model, device=args.device, dtype=args.dtype))
+        where = f"in-process on {engine.device}, {str(engine.model.dtype).removeprefix('torch.')}"
+        backend, tokenizer = quality.InProcess(engine), engine.tokenizer
     cases = quality.build_cases(tokenizer, spec)
     print(
         f"{len(cases)} cases x {len(spec.specs)} policies ({', '.join(spec.policies)}), {where}",
@@ -71,6 +72,12 @@ def add_eval_parser(sub) -> None:
     )
     ev.add_argument("--model", default=None, help="model to run in-process (default gemma3-270m); with --url: its own")
     ev.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
+    ev.add_argument(
+        "--dtype",
+        default=None,
+        choices=DTYPES,
+        help="in-process (default auto: the device's fast one)",
+    )
     ev.add_argument("--url", default=None, help="evaluate a running service instead (its HTTP address)")
     ev.add_argument("--api-key", default=None, help="with --url (or KVSNAP_API_KEY)")
     ev.add_argument(
