@@ -109,6 +109,7 @@ class WorkerReplica:
             prefill_chunk=cfg.prefill_chunk,
             greedy_screen=cfg.greedy_screen,
             prefix_cache_bytes=cfg.prefix_cache_mib << 20,
+            prefix_block=cfg.prefix_block,
         )
         directory = SessionDirectory(redis_url, session_ttl_s=cfg.session_ttl_s)
         disk_dir = str(Path(cfg.data_dir) / "disk" / self.worker_id) if cfg.disk_tier_mib else None

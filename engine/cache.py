@@ -81,12 +81,15 @@ class BlockRows:
         self._k, self._v = buffers
         self._start, self._end = 0, used
 
-    def written(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the last ``n`` rows appended, read right after their append (a sliding
-        layer's window may no longer show them all, but its buffer still holds them)."""
-        if self._k is None or n > self._end:
-            raise ValueError(f"the layer holds {self._end} rows, not the {n} asked for")
-        return self._k[:, :, self._end - n : self._end].clone(), self._v[:, :, self._end - n : self._end].clone()
+    def written(self, n: int, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of ``count`` rows (all ``n`` by default) from the ``n``-th last row appended on,
+        read right after their append (a sliding layer's window may no longer show them all, but
+        its buffer still holds them)."""
+        count = n if count is None else count
+        if self._k is None or n > self._end or not 0 < count <= n:
+            raise ValueError(f"the layer holds {self._end} rows, not {count} of the last {n}")
+        first = self._end - n
+        return self._k[:, :, first : first + count].clone(), self._v[:, :, first : first + count].clone()
 
     def exact(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows in use as tensors of their own (no spare capacity: what a tier stores)."""

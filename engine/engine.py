@@ -37,7 +37,7 @@ from .decode import Decoding
 from .detok import Detokenizer
 from .head import LMHead
 from .models import LoadedModel
-from .prefixes import PrefixCache
+from .prefixes import PrefixCache, block_for
 from .replay import Replay
 from .sampling import SamplingParams
 from .session import Session, TurnReport
@@ -94,13 +94,16 @@ class Engine(Compression, Decoding, Replay):
         prefill_chunk: int = 1024,
         greedy_screen: bool | None = None,
         prefix_cache_bytes: int = 0,
+        prefix_block: int | None = None,
     ):
         """``greedy_screen``: greedy rows' argmax through a bf16 screen (engine/head.py); None:
         where it pays (a large fp32 head on a CPU with bf16 kernels). ``prefix_cache_bytes``: the
-        budget of shared prompt prefixes (engine/prefixes.py; blocks of ``prefill_chunk`` tokens),
-        0 = none."""
+        budget of shared prompt prefixes (engine/prefixes.py), 0 = none; ``prefix_block``: their
+        block, a divisor of ``prefill_chunk`` (None: ``prefixes.block_for`` the model's dtype)."""
         if prefill_chunk < 1:
             raise InvalidArgument(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if prefix_block is not None and (prefix_block < 1 or prefill_chunk % prefix_block):
+            raise InvalidArgument(f"prefix_block must divide prefill_chunk ({prefill_chunk}), got {prefix_block}")
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -121,7 +124,9 @@ class Engine(Compression, Decoding, Replay):
         self.full_layers = full_layer_indices(cache)
         self.prefixes = None  # shared prompt prefixes, where every layer keeps block rows
         if prefix_cache_bytes > 0 and shares_blocks(cache):
-            self.prefixes = PrefixCache(prefill_chunk, prefix_cache_bytes)
+            block = prefix_block or block_for(prefill_chunk, self.model.dtype)
+            # the router names a prompt by its first chunk (service/api.py knows no block size)
+            self.prefixes = PrefixCache(block, prefix_cache_bytes, route_tokens=prefill_chunk)
         self.attention = {
             m.layer_idx: m
             for m in self.model.modules()

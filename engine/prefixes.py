@@ -2,12 +2,19 @@
 started from by every new session of the same tenant whose prompt opens with the same tokens
 (vLLM's prefix caching, for sessions that each compress their own cache afterwards).
 
-A block is one prefill chunk (``Engine.prefill_chunk`` tokens). A prefill always runs its
-prompt in chunks from the prompt's start, so the rows of a prompt's first k chunks are the
-same whichever session computed them, and a session that starts from them and prefills the
-rest (from a chunk boundary) runs the very forward passes it would have run alone: its cache,
-its compression and its answer are those of a session that prefilled everything, and a replay
-of its log (which prefills from the start) rebuilds it exactly.
+How many tokens a block holds depends on how exact the model's arithmetic is (:func:`block_for`).
+In float32 a block is one prefill chunk (``Engine.prefill_chunk`` tokens): a prefill always
+runs its prompt in chunks from the prompt's start, so the rows of a prompt's first k chunks
+are the same whichever session computed them, and a session that starts from them and
+prefills the rest (from a chunk boundary) runs the very forward passes it would have run
+alone: its cache, its compression and its answer are those of a session that prefilled
+everything, bit for bit, and a replay of its log (which prefills from the start) rebuilds it
+exactly. In bfloat16 on a CPU no such guarantee exists to keep: oneDNN picks its kernels by
+the number of rows in a product, so a row's result already depends, in its last bits, on the
+rows that share its step (docs/BENCHMARKS.md, "Shared documents"); there a block is
+:data:`FINE_BLOCK` tokens, and a later session starts from all but the last few tokens of a
+shared document (vLLM's blocks are 16), its cache equal to one that prefilled alone within
+the dtype's rounding.
 
 Blocks form a tree per tenant: a block's key digests the tenant, its parent's key and its
 tokens, so a lookup walks from a prompt's first block, and one tenant's text never reaches
@@ -30,6 +37,14 @@ from dataclasses import dataclass
 import torch
 
 COUNTERS = ("hits", "misses", "tokens_reused", "bytes_reused", "blocks_added", "evictions")
+FINE_BLOCK = 64  # tokens a block holds where the arithmetic is not bit-exact anyway (bfloat16)
+
+
+def block_for(chunk: int, dtype: torch.dtype) -> int:
+    """The block a prefix cache keeps for a model computing in ``dtype`` with prefill chunks of
+    ``chunk`` tokens: the chunk in float32 (sessions started from shared rows stay bit-exact),
+    :data:`FINE_BLOCK` otherwise where it divides the chunk."""
+    return chunk if dtype == torch.float32 or chunk % FINE_BLOCK else FINE_BLOCK
 
 
 @dataclass(slots=True, eq=False)
@@ -43,6 +58,7 @@ class Block:
     rows: list[tuple[torch.Tensor, torch.Tensor]]
     nbytes: int
     children: int = 0
+    route: str | None = None  # for the block that ends on the first ``route_tokens``: root_key's name
 
 
 def block_key(scope: str, parent: bytes | None, tokens: list[int]) -> bytes:
@@ -55,19 +71,22 @@ def block_key(scope: str, parent: bytes | None, tokens: list[int]) -> bytes:
     return h.digest()
 
 
-def root_key(scope: str, tokens: list[int], block: int) -> str | None:
-    """The hex name of the first block a prompt of ``tokens`` would start from or add (None when
-    the prompt holds no whole block and more): what the router matches replicas' roots with."""
-    return block_key(scope, None, tokens[:block]).hex() if len(tokens) > block else None
+def root_key(scope: str, tokens: list[int], route: int) -> str | None:
+    """The hex name of a prompt's first ``route`` tokens (None when the prompt is not longer):
+    what the router matches replicas' roots (:meth:`PrefixCache.roots`) with."""
+    return block_key(scope, None, tokens[:route]).hex() if len(tokens) > route else None
 
 
 class PrefixCache:
-    """Blocks of ``block`` tokens under a budget of ``budget_bytes``; thread-safe."""
+    """Blocks of ``block`` tokens under a budget of ``budget_bytes``; thread-safe.
+    ``route_tokens`` (a multiple of ``block``; default one block): the prompt opening the router
+    matches a replica by (:func:`root_key`, computed where the block size is not known)."""
 
-    def __init__(self, block: int, budget_bytes: int):
-        if block < 1 or budget_bytes < 0:
-            raise ValueError("a prefix cache needs block >= 1 and budget_bytes >= 0")
-        self.block, self.budget = block, budget_bytes
+    def __init__(self, block: int, budget_bytes: int, route_tokens: int | None = None):
+        route_tokens = block if route_tokens is None else route_tokens
+        if block < 1 or budget_bytes < 0 or route_tokens < block or route_tokens % block:
+            raise ValueError("a prefix cache needs block >= 1, budget_bytes >= 0 and route_tokens a multiple of block")
+        self.block, self.budget, self.route_tokens = block, budget_bytes, route_tokens
         self._blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
         self.nbytes = 0
@@ -124,7 +143,8 @@ class PrefixCache:
             parent = self._blocks.get(keys[-2]) if n > 1 else None
             if keys[-1] in self._blocks or (n > 1 and parent is None) or nbytes > self.budget:
                 return False
-            block = Block(keys[-1], keys[-2] if n > 1 else None, scope, rows, nbytes)
+            route = block_key(scope, None, tokens).hex() if len(tokens) == self.route_tokens else None
+            block = Block(keys[-1], keys[-2] if n > 1 else None, scope, rows, nbytes, route=route)
             self._blocks[block.key] = block
             if parent is not None:
                 parent.children += 1
@@ -160,10 +180,11 @@ class PrefixCache:
             self.counters["evictions"] += 1
 
     def roots(self, limit: int = 256) -> list[str]:
-        """The hex names of the first blocks held, most recently used first (at most ``limit``):
-        what a replica tells the router, so that a new session on a known document goes here."""
+        """The :func:`root_key` names of the prompt openings (``route_tokens`` long) held, most
+        recently used first (at most ``limit``): what a replica tells the router, so that a new
+        session on a known document goes here. A held block's ancestors are held too."""
         with self._lock:
-            found = [key.hex() for key, b in reversed(self._blocks.items()) if b.parent is None]
+            found = [b.route for b in reversed(self._blocks.values()) if b.route is not None]
         return found[:limit]
 
     def stats(self) -> dict:

@@ -100,13 +100,16 @@ class Prefill:
         fill_kv(session.cache, prefix_kv(session.cache, [b.rows for b in blocks]), n)
         session.logical_len = self.done = self.cached = n
 
-    def _share_block(self, n: int) -> None:
-        """The chunk of ``n`` tokens that just went onto a first turn's cache is a whole block: the
-        prefix cache keeps a copy of its rows for the tenant's next sessions."""
-        block = self.prefixes.block
-        if n == block and self.done % block == 0:
-            rows = [layer.written(block) for layer in self.session.cache.layers]
-            self.prefixes.add(self.session.prefix_scope, self.new[: self.done], rows)
+    def _share_blocks(self, n: int) -> None:
+        """The whole blocks of the chunk of ``n`` tokens that just went onto a first turn's cache:
+        the prefix cache keeps a copy of their rows for the tenant's next sessions (a chunk starts
+        on a block: a prompt starts at 0 or on a shared prefix's end, and a chunk is whole blocks)."""
+        block, start = self.prefixes.block, self.done - n
+        if start % block:
+            return
+        for first in range(0, n - block + 1, block):  # each block's first row, from the chunk's start
+            rows = [layer.written(n - first, block) for layer in self.session.cache.layers]
+            self.prefixes.add(self.session.prefix_scope, self.new[: start + first + block], rows)
 
     @property
     def remaining(self) -> int:
@@ -121,7 +124,7 @@ class Prefill:
         self.done += n
         self.timer.prefill_s += elapsed_s
         if self.prefixes is not None:
-            self._share_block(n)
+            self._share_blocks(n)
         if self.remaining:
             return None
         self.engine.after_prefill(self)

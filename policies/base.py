@@ -176,13 +176,17 @@ def window_attention(
     if heads % kv_heads:
         raise InvalidArgument(f"{heads} query heads do not split into {kv_heads} KV groups")
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    q = window_queries.float().view(batch, kv_heads, heads // kv_heads, w, dim)  # [B, H_kv, G, w, D]
+    groups = heads // kv_heads
+    # a KV head's G x w queries as the rows of one product with its keys (a [.., G, w, D] query
+    # against [.., 1, L, D] keys would copy the keys G times to broadcast them)
+    q = window_queries.float().reshape(batch, kv_heads, groups * w, dim)  # [B, H_kv, G * w, D]
     step = chunk or length
     parts = []
     for start in range(0, length, step):
-        k = keys[:, :, start : start + step].to(q.device, non_blocking=True).float().unsqueeze(2)
-        parts.append(torch.matmul(q, k.transpose(-1, -2)))  # [B, H_kv, G, w, step]
-    logits = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)) * scale  # [B, H_kv, G, w, L]
+        k = keys[:, :, start : start + step].to(q.device, non_blocking=True).float()
+        parts.append(torch.matmul(q, k.transpose(-1, -2)))  # [B, H_kv, G * w, step]
+    logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    logits = logits.view(batch, kv_heads, groups, w, length) * scale  # [B, H_kv, G, w, L]
     causal = torch.ones(w, w, dtype=torch.bool, device=q.device).triu(1)
     logits[..., length - w :].masked_fill_(causal, float("-inf"))
     return logits.softmax(dim=-1)
@@ -207,9 +211,20 @@ def span_best(scores: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
 
 
 def gather_rows(states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """states: [B, H_kv, L, D], positions: [B, H_kv, k] -> [B, H_kv, k, D]."""
-    index = positions.unsqueeze(-1).expand(-1, -1, -1, states.shape[-1])
-    return states.gather(2, index)
+    """states: [B, H_kv, L, D], positions: [B, H_kv, k] -> [B, H_kv, k, D]: whole rows copied by
+    one index over the rows of every (batch, head) (a gather's index per value is D times
+    larger). ``states`` may be a view of a larger buffer (a cache layer's rows in use): its rows
+    are read in place, where its strides are whole rows."""
+    batch, heads, length, dim = states.shape
+    if states.stride(-1) != 1 or states.stride(-2) != dim or any(s % dim for s in states.stride()[:2]):
+        states = states.contiguous()
+    per_batch, per_head = states.stride(0) // dim, states.stride(1) // dim  # in rows
+    span = (batch - 1) * per_batch + (heads - 1) * per_head + length  # rows from the first to the last
+    rows = states.as_strided((span, dim), (dim, 1))  # every row of the buffer in between, in place
+    first = torch.arange(batch, device=positions.device).view(batch, 1, 1) * per_batch
+    first = first + torch.arange(heads, device=positions.device).view(1, heads, 1) * per_head
+    picked = rows.index_select(0, (positions + first).flatten())
+    return picked.view(batch, heads, positions.shape[-1], dim)
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

@@ -107,6 +107,12 @@ class ServiceConfig(BaseModel):
         "first whole prefill chunks, which the tenant's next sessions opening with the same tokens start from "
         "(engine/prefixes.py); 0 = none",
     )
+    prefix_block: int | None = Field(
+        None,
+        ge=1,
+        description="tokens a shared-prefix block holds, a divisor of prefill_chunk; unset: the chunk in float32 "
+        "(a session started from shared rows is bit-exact), 64 in bfloat16 (exact to its rounding, as its batches are)",
+    )
     max_batch: int = Field(
         16,
         ge=1,
@@ -160,6 +166,12 @@ class ServiceConfig(BaseModel):
                 f"max_batch ({self.max_batch}) must be <= max_ongoing_requests ({self.max_ongoing_requests}): "
                 "a replica never takes more requests than that, so the batch could never fill"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _block_divides_chunk(self) -> ServiceConfig:
+        if self.prefix_block is not None and self.prefill_chunk % self.prefix_block:
+            raise ValueError(f"prefix_block ({self.prefix_block}) must divide prefill_chunk ({self.prefill_chunk})")
         return self
 
     @model_validator(mode="after")

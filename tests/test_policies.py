@@ -181,3 +181,39 @@ def test_unknown_policy_lists_valid_names():
     listed = "valid policies: full, h2o, (keep_every, )?kvzap, kvzip, scissorhands, snapkv, streaming"
     with pytest.raises(InvalidArgument, match=listed):
         make_policy("h3o")
+
+
+def test_gather_rows_picks_each_heads_rows_from_views_in_place():
+    """gather_rows equals torch.gather over whole rows, for a tensor of its own, a cache layer's
+    rows in use (a view of a larger buffer) and a layout whose rows are not contiguous."""
+    from kvsnap.policies import gather_rows
+
+    gen = torch.Generator().manual_seed(2)
+    buf = torch.randn(2, 3, 50, 8, generator=gen)
+    for states in (
+        buf,
+        buf[:, :, 5:40],
+        buf[:, 1:, :30],
+        buf[..., :4],
+        buf.transpose(2, 3).contiguous().transpose(2, 3),
+    ):
+        _, heads, length, dim = states.shape
+        positions = torch.stack([torch.randperm(length, generator=gen)[:7].sort().values for _ in range(2 * heads)])
+        positions = positions.view(2, heads, 7)
+        want = states.gather(2, positions.unsqueeze(-1).expand(-1, -1, -1, dim))
+        assert torch.equal(gather_rows(states, positions), want)
+
+
+def test_window_attention_is_each_query_heads_causal_softmax():
+    """The observation window's attention per query head (grouped-query heads sharing a KV head),
+    against a plain float64 computation."""
+    from kvsnap.policies.base import window_attention
+
+    gen = torch.Generator().manual_seed(4)
+    q, k = torch.randn(1, 6, 5, 16, generator=gen), torch.randn(1, 2, 40, 16, generator=gen)
+    got = window_attention(q, k, scale=0.25)  # [1, 2, 3, 5, 40]
+    kk = k.double().repeat_interleave(3, dim=1)  # query head h reads KV head h // 3
+    logits = (q.double() @ kk.transpose(-1, -2)) * 0.25  # [1, 6, 5, 40]
+    logits[..., 35:] = logits[..., 35:].masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    want = logits.softmax(-1).view(1, 2, 3, 5, 40)
+    assert got.shape == want.shape and torch.allclose(got.double(), want, atol=1e-6)

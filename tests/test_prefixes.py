@@ -152,3 +152,55 @@ def test_sessions_on_one_document_hold_one_shared_copy_and_their_own_rows(sharin
     full = per_block // 16 * (len(DOCUMENT) + 9)  # a block holds 16 rows of every layer
     assert max(own) < full  # each session holds its compressed rows, not the document's full KV
     worker.stop()
+
+
+def test_the_block_is_a_chunk_in_float32_and_finer_in_bfloat16():
+    from kvsnap.engine.prefixes import FINE_BLOCK, block_for
+
+    assert block_for(1024, torch.float32) == 1024  # bit-exact: a chunk
+    assert block_for(1024, torch.bfloat16) == FINE_BLOCK == 64
+    assert block_for(96, torch.bfloat16) == 96  # 64 does not divide it: a chunk
+
+
+@pytest.mark.parametrize("block", [4, 8])
+def test_in_bfloat16_a_session_starts_from_fine_blocks_and_answers_as_alone(tiny_engine, block):
+    """bf16 (the blocks finer than a chunk): a later session starts from all whole blocks of the
+    document that leave its observation window, answers what a session that prefilled alone
+    answers, and holds its cache within bf16's rounding."""
+    from kvsnap.engine import load_model
+
+    loaded = load_model(tiny_engine.loaded.name, dtype="bfloat16")
+    sharing = Engine(loaded, prefill_chunk=16, prefix_cache_bytes=64 << 20, prefix_block=block)
+    alone = Engine(loaded, prefill_chunk=16)
+    opened(sharing, DOCUMENT + QUESTIONS[0])  # 59 tokens: adds every whole block of them
+    assert sharing.prefixes.stats()["blocks"] == (len(DOCUMENT) + 9) // block
+    for q in QUESTIONS[1:]:
+        shared, got = opened(sharing, DOCUMENT + q)
+        own, want = opened(alone, DOCUMENT + q, scope=None)
+        assert got.report.cached_tokens == len(DOCUMENT) // block * block  # up to the document's last whole block
+        assert got.tokens == want.tokens
+        for x, y in zip(export_kv(shared.cache), export_kv(own.cache), strict=True):
+            assert x.shape == y.shape and torch.allclose(x.float(), y.float(), rtol=2**-6, atol=2**-6)
+
+
+def test_the_router_names_a_prompt_by_its_first_chunk_whatever_the_block():
+    """The ingress knows no block size: it names a prompt by its first ``route_tokens`` tokens,
+    and a replica's roots are those names for the openings it holds."""
+    cache = PrefixCache(block=2, budget_bytes=1 << 20, route_tokens=4)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    assert cache.add("t", tokens[:2], rows(1, 16)) and cache.roots() == []  # not yet 4 tokens
+    assert cache.add("t", tokens[:4], rows(2, 16)) and cache.add("t", tokens[:6], rows(3, 16))
+    assert cache.roots() == [root_key("t", tokens, 4)] and root_key("u", tokens, 4) not in cache.roots()
+    with pytest.raises(ValueError):
+        PrefixCache(block=3, budget_bytes=1, route_tokens=4)
+
+
+def test_a_block_that_does_not_divide_the_chunk_is_refused(llama_engine):
+    from kvsnap.errors import InvalidArgument
+    from kvsnap.service.config import ServiceConfig
+
+    with pytest.raises(ValueError, match="prefix_block"):
+        ServiceConfig(prefill_chunk=1024, prefix_block=100)
+    assert ServiceConfig(prefill_chunk=1024, prefix_block=64).prefix_block == 64
+    with pytest.raises(InvalidArgument, match="prefix_block"):
+        Engine(llama_engine.loaded, prefill_chunk=16, prefix_cache_bytes=1 << 20, prefix_block=5)
