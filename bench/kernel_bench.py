@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if KERNEL() is None:
-        raise SystemExit("the kernel is not available here (no C compiler, or KVSNAP_ATTENTION_KERNEL=0)")
+        raise SystemExit("the kernel is not available here (no C compiler, or KVSNAP_C_KERNELS=0)")
     torch.set_num_threads(args.threads)
     report = {"tokens": args.tokens, "threads": args.threads, "runs": args.runs, "dtype": "bfloat16"}
     for model in args.models.split(","):

@@ -14,28 +14,18 @@ copy torch already loaded, so the model thread's team runs it: no second thread 
 head's blocks are joined in their order, so a row's result depends neither on the rows that
 share the call nor on the thread count (tests/test_one_token_attention.py).
 
-The source is compiled on first use with the machine's C compiler (``cc``) into a cache folder
-keyed by the source, flags and CPU, and loaded with ctypes: no torch headers, no build step at
-install. Without a compiler (or with ``KVSNAP_ATTENTION_KERNEL=0``) :func:`kernel` is None and
-the torch path runs.
+The source is compiled on first use (engine/cbuild.py). Without a compiler (or with
+``KVSNAP_C_KERNELS=0``) :func:`kernel` is None and the torch path runs.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from . import cbuild
 
 MAX_GROUP = 16  # query heads per KV head (the C code's MAXG)
 BLOCK = 256  # keys per unit of work (the C code's BLK)
@@ -213,70 +203,20 @@ int one_token_rows(int R, const float *q, const uint16_t **k, const uint16_t **v
     return 0;
 }
 """
-# -ffast-math lets the reductions and expf vectorize (the scores carry no mask, so no infinities);
-# -fopenmp spreads the units over torch's threads, and without OpenMP the kernel runs on one.
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC"]
-PARALLEL = ("-fopenmp", "-fopenmp-simd")
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvsnap" / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
-
-
-def _build() -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        log.info("no C compiler: one-token attention runs on torch's operators")
-        return None
-    # -march=native: the library is this CPU's, so its flags are in the name (a shared home folder)
-    digest = hashlib.sha256((SOURCE + " ".join(FLAGS) + compiler + _cpu_flags()).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"one_token_{digest}.so"
-    if not target.exists() and not _compile(compiler, target):
-        return None
-    lib = ctypes.CDLL(str(target))
-    fn = lib.one_token_rows
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    fn.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    fn.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-    return lib
-
-
-def _compile(compiler: str, target: Path) -> bool:
-    """Build ``target`` with OpenMP, or single-threaded where the compiler has no OpenMP runtime."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, lib = Path(tmp) / "k.c", Path(tmp) / "k.so"
-        src.write_text(SOURCE)
-        for parallel in PARALLEL:
-            done = subprocess.run(
-                [compiler, *FLAGS, parallel, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True
-            )
-            if done.returncode == 0:
-                os.replace(lib, target)  # atomic: a concurrent build sees the whole file or none
-                return True
-    log.warning("the attention kernel did not compile (%s): torch's operators run", done.stderr[-500:])
-    return False
 
 
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (no compiler, a failed build, or ``KVSNAP_ATTENTION_KERNEL=0``)."""
-    if os.environ.get("KVSNAP_ATTENTION_KERNEL", "1") == "0":
-        return None
-    try:
-        return _build()
-    except OSError as exc:  # an unwritable cache folder, a library that does not load
-        log.warning("the attention kernel is not available (%s): torch's operators run", exc)
-        return None
+    """The compiled kernel, or None (engine/cbuild.py: no compiler, a failed build, or
+    ``KVSNAP_C_KERNELS=0``)."""
+    lib = cbuild.build("one_token", SOURCE)
+    if lib is not None:
+        fn = lib.one_token_rows
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        fn.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    return lib
 
 
 def fits(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:

@@ -1,0 +1,84 @@
+"""Small C libraries of the engine's own kernels, compiled on first use and loaded with ctypes.
+
+``engine/kernels.py`` (decode attention) and ``engine/fused.py`` (normalisation, activations)
+keep their C source as a string. :func:`build` compiles it with the machine's C compiler
+(``cc``, or ``CC``) for this CPU (``-march=native``) into a cache folder keyed by the source,
+the flags, the compiler and the CPU's flags, and loads it: no torch headers, no build step at
+install. With OpenMP the library links ``libgomp.so.1``, which resolves to the copy torch has
+loaded, so a kernel's ``#pragma omp parallel`` runs on the calling thread's own team (the model
+thread's: engine/threads.py), no second thread pool; a compiler without OpenMP builds it
+single-threaded. Without a compiler, on a failed build, or with ``KVSNAP_C_KERNELS=0``,
+:func:`build` gives None and the engine runs torch's operators instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# -ffast-math lets reductions and expf / tanhf vectorize (libmvec): results equal the torch
+# operators' up to float32 rounding order (each kernel's docstring says which roundings it keeps)
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC"]
+PARALLEL = ("-fopenmp", "-fopenmp-simd")  # the first that builds
+
+
+def enabled() -> bool:
+    return os.environ.get("KVSNAP_C_KERNELS", "1") != "0"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvsnap" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+
+
+def build(name: str, source: str) -> ctypes.CDLL | None:
+    """The library of ``source`` (built once per machine), or None where it cannot be had."""
+    if not enabled():
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler: the %s kernels run as torch's operators", name)
+        return None
+    # -march=native: the library is this CPU's, so its flags are in the name (a shared home folder)
+    digest = hashlib.sha256((source + " ".join(FLAGS) + compiler + _cpu_flags()).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{name}_{digest}.so"
+    try:
+        if not target.exists() and not _compile(compiler, source, target, name):
+            return None
+        return ctypes.CDLL(str(target))
+    except OSError as exc:  # an unwritable cache folder, a library that does not load
+        log.warning("the %s kernels are not available (%s): torch's operators run", name, exc)
+        return None
+
+
+def _compile(compiler: str, source: str, target: Path, name: str) -> bool:
+    """Build ``target`` with OpenMP, or single-threaded where the compiler has no OpenMP runtime."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, lib = Path(tmp) / "k.c", Path(tmp) / "k.so"
+        src.write_text(source)
+        for parallel in PARALLEL:
+            done = subprocess.run(
+                [compiler, *FLAGS, parallel, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True
+            )
+            if done.returncode == 0:
+                os.replace(lib, target)  # atomic: a concurrent build sees the whole file or none
+                return True
+    log.warning("the %s kernels did not compile (%s): torch's operators run", name, done.stderr[-500:])
+    return False
