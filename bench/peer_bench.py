@@ -8,7 +8,8 @@ no session header, greedy. Workloads (the same requests to both, in the same ord
   varied prose stating one fact per turn once) and asks about one fact per turn; turns go round
   by round over all chats, --in-flight requests at once. Both servers get room for every chat.
 - ``pressure``: more chats (--pressure-chats, 2 turns) at equal KV memory: --kv-gib for vLLM's
-  KV cache (VLLM_CPU_KVCACHE_SPACE) and for kvsnap's tiers (half on the device tier, half on the host).
+  KV cache (VLLM_CPU_KVCACHE_SPACE) and for kvsnap's tiers (half on the device tier, half on the
+  host; --kvsnap-kv-quant kivi4 quantizes the host tier's).
 - ``decode``: --chats short prompts generating --decode-tokens each, all at once (decode tokens/s
   with that many sequences in the batch).
 - ``shared``: --chats chats over --shared-docs documents (shared documents for RAG): each chat
@@ -242,6 +243,9 @@ def shared_phase(server: Server, model: str, args) -> dict:
     }
 
 
+PREFIX_SHARE = 0.25  # of kvsnap's KV memory, the shared workload's shared prefixes (the rest: its tiers)
+
+
 def run_server(name: str, args, work: Path, folder: str) -> dict:
     out = {}
     for workload in args.workloads:
@@ -249,7 +253,11 @@ def run_server(name: str, args, work: Path, folder: str) -> dict:
         if name == "vllm":
             server = start_vllm(folder, args.model, kv, args.threads, args.vllm_dtype, work)
         else:
-            server = start_kvsnap(args.model, kv, args.kvsnap_dtype, work, args.kvsnap_prefill_chunk)
+            share = PREFIX_SHARE if workload == "shared" else 0.0  # the others' chats share no document
+            server = start_kvsnap(
+                args.model, kv, args.kvsnap_dtype, work, args.kvsnap_prefill_chunk, prefix_share=share,
+                kv_quant=args.kvsnap_kv_quant,
+            )  # fmt: skip
         try:
             if workload == "decode":
                 out[workload] = decode_phase(server, args.model, args.chats, args.decode_tokens)
@@ -300,7 +308,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--vllm-dtype", default="bfloat16")
     ap.add_argument("--kvsnap-dtype", default="auto")
-    ap.add_argument("--kvsnap-prefill-chunk", type=int, default=None, help="kvsnap's prefill chunk and prefix block")
+    ap.add_argument("--kvsnap-prefill-chunk", type=int, default=None, help="kvsnap's prefill chunk")
+    ap.add_argument(
+        "--kvsnap-kv-quant", default="none", choices=("none", "kivi4", "kivi2"), help="kvsnap's host tier quantization"
+    )
     ap.add_argument("--small", action="store_true", help="the test-sized run: 2 chats x 2 turns, 600-token documents")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

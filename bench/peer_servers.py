@@ -80,14 +80,22 @@ def start_vllm(folder: str, model: str, kv_gib: float, threads: int, dtype: str,
     return Server("vllm", cmd, env, port, work / "vllm.log")
 
 
-def start_kvsnap(model: str, kv_gib: float, dtype: str, work: Path, prefill_chunk: int | None = None) -> Server:
+def start_kvsnap(
+    model: str, kv_gib: float, dtype: str, work: Path, prefill_chunk: int | None = None, *, prefix_share: float = 0.0,
+    kv_quant: str = "none",
+) -> Server:  # fmt: skip
+    """kvsnap serving in the same KV memory as vLLM's: ``prefix_share`` of it for shared prompt
+    prefixes (where chats share documents), the rest half in each tier (a re-selecting default
+    keeps its full copy in the host tier); ``kv_quant``: the host tier's KIVI quantization."""
     port = free_port()
+    prefix_mib = int(kv_gib * 1024 * prefix_share)
+    tier_mib = str(int((kv_gib * 1024 - prefix_mib) / 2))
     env = os.environ | {
         "KVSNAP_API_KEYS": f"{KEY}:bench",
-        # the same KV memory as vLLM's, half in each tier (a re-selecting default keeps its full
-        # copy in the host tier)
-        "KVSNAP_DEVICE_TIER_MIB": str(int(kv_gib * 512)),
-        "KVSNAP_HOST_TIER_MIB": str(int(kv_gib * 512)),
+        "KVSNAP_DEVICE_TIER_MIB": tier_mib,
+        "KVSNAP_HOST_TIER_MIB": tier_mib,
+        "KVSNAP_PREFIX_CACHE_MIB": str(prefix_mib),
+        "KVSNAP_KV_QUANT": kv_quant,
         "KVSNAP_DEFAULT_MAX_TOKENS": "16",
     }
     if prefill_chunk:  # also the block of shared prompt prefixes (engine/prefixes.py)
