@@ -1,14 +1,14 @@
 """Small C libraries of the engine's own kernels, compiled on first use and loaded with ctypes.
 
-``engine/kernels.py`` (decode attention) and ``engine/fused.py`` (normalisation, activations)
-keep their C source as a string. :func:`build` compiles it with the machine's C compiler
-(``cc``, or ``CC``) for this CPU (``-march=native``) into a cache folder keyed by the source,
-the flags, the compiler and the CPU's flags, and loads it: no torch headers, no build step at
-install. With OpenMP the library links ``libgomp.so.1``, which resolves to the copy torch has
-loaded, so a kernel's ``#pragma omp parallel`` runs on the calling thread's own team (the model
-thread's: engine/threads.py), no second thread pool; a compiler without OpenMP builds it
-single-threaded. Without a compiler, on a failed build, or with ``KVSNAP_C_KERNELS=0``,
-:func:`build` gives None and the engine runs torch's operators instead.
+A kernel module (``engine/kernels.py``: decode attention) keeps its C source as a string.
+:func:`build` compiles it with the machine's C compiler (``cc``, or ``CC``) for this CPU
+(``-march=native``) into a cache folder keyed by the source, the flags, the compiler and the
+CPU's flags, and loads it: no torch headers, no build step at install. With OpenMP the library
+links ``libgomp.so.1``, which resolves to the copy torch has loaded, so a kernel's ``#pragma
+omp parallel`` runs on the calling thread's own team (the model thread's: engine/threads.py),
+no second thread pool; a compiler without OpenMP builds it single-threaded. Without a
+compiler, on a failed build, or with ``KVSNAP_C_KERNELS=0``, :func:`build` gives None and the
+engine runs torch's operators instead.
 """
 
 from __future__ import annotations
