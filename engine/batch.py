@@ -108,11 +108,11 @@ class BatchCache:
 def mask(q: int, k: int, window: int | None, like: torch.Tensor) -> torch.Tensor | None:
     """``[1, 1, q, k]`` additive mask (0 = attend, -inf = not) in ``like``'s dtype and device for
     ``q`` new tokens that are the last ``q`` of ``k`` rows: causal, and within ``window`` rows on
-    a sliding layer. None where attention needs no mask: one token (it sees every row), or a
+    a sliding layer (SDPA turns a boolean mask into this one on every call; made once, its calls
+    are faster). None where attention needs no mask: one token (it sees every row), or a
     prompt's first chunk on an empty cache (``q == k``) with no window cutting it, plain causal,
-    which SDPA runs without one and skips the blocks above the diagonal (the same results, bit
-    for bit, in about 60 % of the time). SDPA turns a boolean mask into this one on every call;
-    made once, its results are the same (bit for bit) and its calls faster."""
+    which SDPA runs without one, skipping the blocks above the diagonal (about 60 % of the
+    time). Either way the results are the same, bit for bit (tests/test_chunk_attention.py)."""
     if q == 1 or (q == k and (window is None or window >= q)):
         return None
     i = torch.arange(q, device=like.device).unsqueeze(1) + (k - q)  # each query's row index
@@ -120,9 +120,8 @@ def mask(q: int, k: int, window: int | None, like: torch.Tensor) -> torch.Tensor
     hidden = j > i
     if window is not None:
         hidden |= j <= i - window
-    return torch.zeros(hidden.shape, dtype=like.dtype, device=like.device).masked_fill_(hidden, float("-inf"))[
-        None, None
-    ]
+    additive = torch.zeros(hidden.shape, dtype=like.dtype, device=like.device).masked_fill_(hidden, float("-inf"))
+    return additive[None, None]
 
 
 def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values: RaggedKV, **kwargs):

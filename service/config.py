@@ -104,8 +104,8 @@ class ServiceConfig(BaseModel):
         512,
         ge=0,
         description="shared prompt prefixes per replica (beside the device tier): the rows of a new session's "
-        "first whole prefill chunks, which the tenant's next sessions opening with the same tokens start from "
-        "(engine/prefixes.py); 0 = none",
+        "first prompt's whole blocks (prefix_block), which the tenant's next sessions opening with the same tokens "
+        "start from (engine/prefixes.py); 0 = none",
     )
     prefix_block: int | None = Field(
         None,
