@@ -26,8 +26,11 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 # -ffast-math lets reductions and expf / tanhf vectorize (libmvec): results equal the torch
-# operators' up to float32 rounding order (each kernel's docstring says which roundings it keeps)
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC"]
+# operators' up to float32 rounding order (each kernel's docstring says which roundings it keeps).
+# It is for compiling only: linked with it, gcc before 13 adds a start-up file that turns on
+# flush-to-zero for the whole process when the library loads (float32 denormals would become 0
+# in every torch operator), so the link is a second command without it.
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC"]
 PARALLEL = ("-fopenmp", "-fopenmp-simd")  # the first that builds
 
 
@@ -71,12 +74,14 @@ def _compile(compiler: str, source: str, target: Path, name: str) -> bool:
     """Build ``target`` with OpenMP, or single-threaded where the compiler has no OpenMP runtime."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, lib = Path(tmp) / "k.c", Path(tmp) / "k.so"
+        src, obj, lib = Path(tmp) / "k.c", Path(tmp) / "k.o", Path(tmp) / "k.so"
         src.write_text(source)
         for parallel in PARALLEL:
-            done = subprocess.run(
-                [compiler, *FLAGS, parallel, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True
-            )
+            build = [compiler, *FLAGS, parallel, "-c", str(src), "-o", str(obj)]
+            done = subprocess.run(build, capture_output=True, text=True)
+            if done.returncode == 0:
+                link = [compiler, "-shared", parallel, str(obj), "-o", str(lib), "-lm"]
+                done = subprocess.run(link, capture_output=True, text=True)
             if done.returncode == 0:
                 os.replace(lib, target)  # atomic: a concurrent build sees the whole file or none
                 return True
