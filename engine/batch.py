@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from . import chunk_kernel, kernels
 from .cache import SlidingLayer
 from .session import Session
 
@@ -60,11 +60,16 @@ class Row:
 
 class RaggedKV(list):
     """One layer's keys (or values) for a packed step: one ``[1, H_kv, rows_b, D]`` view per row,
-    with each row's query span in the packed sequence, its mask, and its capture."""
+    with each row's query span in the packed sequence, its capture, and the layer's window (None:
+    full attention); :meth:`mask` makes a row's mask where an attention function wants one."""
 
-    def __init__(self, spans, masks=None, captures=None):
+    def __init__(self, spans, captures=None, window=None, masks=None):
         super().__init__()
-        self.spans, self.masks, self.captures = spans, masks, captures
+        self.spans, self.captures, self.window, self._masks = spans, captures, window, masks
+
+    def mask(self, b: int) -> torch.Tensor | None:
+        start, end = self.spans[b]
+        return self._masks(end - start, self[b].shape[-2], self.window, self[b])
 
 
 class BatchCache:
@@ -83,19 +88,19 @@ class BatchCache:
             start += len(row.tokens)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        masks, captures = [], [row.capture for row in self.rows]
-        keys, values = RaggedKV(self.spans, masks, captures), RaggedKV(self.spans)
+        layer = self.layers[layer_idx]  # every session's layer is of the model's kind
+        window = layer.sliding_window if isinstance(layer, SlidingLayer) else None
+        keys = RaggedKV(self.spans, [row.capture for row in self.rows], window, self._mask)
+        values = RaggedKV(self.spans)
         for row, (start, end) in zip(self.rows, self.spans, strict=True):  # key_states: [1, H_kv, T, D]
-            layer = row.session.cache.layers[layer_idx]
-            k, v = layer.update(key_states[:, :, start:end], value_states[:, :, start:end])
+            session_layer = row.session.cache.layers[layer_idx]
+            k, v = session_layer.update(key_states[:, :, start:end], value_states[:, :, start:end])
             keys.append(k)
             values.append(v)
-            masks.append(self._mask(end - start, k.shape[-2], layer, k))
         return keys, values
 
-    def _mask(self, q: int, k: int, layer, like: torch.Tensor) -> torch.Tensor | None:
+    def _mask(self, q: int, k: int, window: int | None, like: torch.Tensor) -> torch.Tensor | None:
         """:func:`mask` for this step, made once for all the layers that share its shape."""
-        window = layer.sliding_window if isinstance(layer, SlidingLayer) else None
         key = (q, k, window)
         if key not in self._masks:
             self._masks[key] = mask(q, k, window, like)
@@ -126,11 +131,14 @@ def mask(q: int, k: int, window: int | None, like: torch.Tensor) -> torch.Tensor
 
 def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values: RaggedKV, **kwargs):
     """``attend`` (an attention function) row by row; query ``[1, H, T, D]`` -> ``[1, T, H, D]``.
-    A one-token row in bf16 / fp16 on a CPU takes :func:`one_token_attention` instead."""
+    In bf16 / fp16 on a CPU, a one-token row takes :func:`one_token_attention` or the decode
+    kernel (engine/kernels.py) instead, and a prompt chunk in bf16 the AMX kernel where the CPU
+    has one (engine/chunk_kernel.py)."""
     outputs, fused = [], []  # fused: the one-token rows the kernel takes, in one call (engine/kernels.py)
     layer_idx = getattr(module, "layer_idx", None)
     own = _one_token_pays(query) and kwargs.get("softcap") is None
     fast = own and kernels.kernel() is not None
+    chunks = own and chunk_kernel.kernel() is not None
     scale = kwargs.get("scaling")
     for b, (start, end) in enumerate(keys.spans):
         q = query[:, :, start:end]
@@ -143,8 +151,11 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
                 outputs.append(None)
             else:
                 outputs.append(one_token_attention(q, keys[b], values[b], scale))
+        elif chunks and chunk_kernel.fits(q, keys[b], values[b]):
+            row_scale = q.shape[-1] ** -0.5 if scale is None else scale
+            outputs.append(chunk_kernel.attention(q, keys[b], values[b], row_scale, keys.window))
         else:
-            outputs.append(attend(module, q, keys[b], values[b], keys.masks[b], **kwargs)[0])
+            outputs.append(attend(module, q, keys[b], values[b], keys.mask(b), **kwargs)[0])
     if fused:
         rows = [b for b, _ in fused]
         scale = query.shape[-1] ** -0.5 if scale is None else scale

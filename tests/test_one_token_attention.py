@@ -41,6 +41,7 @@ def test_bf16_decode_rows_take_one_token_attention_and_prompt_chunks_sdpa(tiny_e
     from kvsnap.engine import Engine, batch, load_model
 
     monkeypatch.setattr(batch.kernels, "kernel", lambda: None)  # the torch path (the kernel's test is below)
+    monkeypatch.setattr(batch.chunk_kernel, "kernel", lambda: None)  # and SDPA for chunks (test_chunk_kernel.py)
     engine = Engine(load_model(tiny_engine.loaded.name, dtype="bfloat16"), prefill_chunk=16)
     calls = []
     real = batch.one_token_attention
