@@ -42,7 +42,7 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvsnap" / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -59,7 +59,7 @@ def build(name: str, source: str) -> ctypes.CDLL | None:
         log.info("no C compiler: the %s kernels run as torch's operators", name)
         return None
     # -march=native: the library is this CPU's, so its flags are in the name (a shared home folder)
-    digest = hashlib.sha256((source + " ".join(FLAGS) + compiler + _cpu_flags()).encode()).hexdigest()[:16]
+    digest = hashlib.sha256((source + " ".join(FLAGS) + compiler + cpu_flags()).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{name}_{digest}.so"
     try:
         if not target.exists() and not _compile(compiler, source, target, name):

@@ -1,19 +1,19 @@
 """A prompt chunk's attention over bf16 keys and values on AMX tiles, in C (Intel CPUs with AMX).
 
-torch's CPU SDPA runs a bf16 chunk of queries against a session's rows at about the speed of its
-float32 kernel, 65-80 GFLOP/s on this machine's two cores, while a bf16 projection on the same
-cores reaches 420 (oneDNN on AMX): attention was half of a 2K prefill and most of a later chat's
-first token on a shared document (docs/BENCHMARKS.md, "A prompt chunk's attention").
+torch's CPU SDPA ran a 2K bf16 prefill's second chunk at 200-260 GFLOP/s on this project's Intel
+machine (two cores with AMX), where matrix products on the same cores reach about 420, and
+attention was still about 40 % of SmolLM2's prefill and much of a later chat's first token on a
+shared document (docs/BENCHMARKS.md, "A prompt chunk's attention on AMX tiles").
 
 The function here is flash attention on AMX: for one query head and 16 of the chunk's queries
-(a unit of work), it walks the session's rows in blocks of 32 keys, multiplies queries by keys
+(a unit of work), it walks the session's rows in blocks of 256 keys, multiplies queries by keys
 on the tiles (bf16 products summed in float32), keeps a running softmax in float32 (each row's
-largest score and sum), rounds the block's weights to bf16 and multiplies them by the values on
-the tiles again, as torch's CPU flash kernel does (its weights go to bf16 for that product too).
-The mask is implicit: query ``i`` of a chunk of ``T`` over ``L`` rows is row ``L - T + i`` and sees
-the rows at or before it, within ``window`` of it on a sliding layer; blocks nobody in a unit can
-see are skipped. Keys and values are first repacked, once per call, into the pair-interleaved
-layout the tiles read.
+largest score and sum, updated once a block), rounds the block's weights to bf16 and multiplies
+them by the values on the tiles again, as torch's CPU flash kernel does (its weights go to bf16
+for that product too). The mask is implicit: query ``i`` of a chunk of ``T`` over ``L`` rows is
+row ``L - T + i`` and sees the rows at or before it, within ``window`` of it on a sliding layer
+(:func:`.batch.mask`'s rule); blocks nobody in a unit can see are skipped. Keys and values are
+first repacked, once per call, into the pair-interleaved layout the tiles read.
 
 Units run on torch's own OpenMP threads (see engine/kernels.py), each configuring its tiles and
 releasing them when done. A query's result is computed by one unit, over its rows in order:
@@ -170,8 +170,10 @@ static void unit(const uint16_t *q, long qsh, long qst, int h, long t0, int rows
             _tile_stored(0, s + g * 16, 4 * KB);
             if (g + 1 < groups) _tile_stored(1, s + g * 16 + 16, 4 * KB);
         }
-        /* running softmax: a hidden key (past the query's row or before its window) weighs 0 */
-        int edge = end - 1 > first || (window > 0 && k0 <= last - window), n16 = groups;
+        /* running softmax: a hidden key (past the query's row, the padding past L in the last
+           group, or before its window) weighs 0; a block needs the per-key test where any key its
+           groups score lies past the unit's first query or before the last query's window */
+        int edge = k0 + 16 * groups - 1 > first || (window > 0 && k0 <= last - window), n16 = groups;
         for (int r = 0; r < QB; r++) {
             float *sr = s + r * KB;
             uint16_t *pr = p + r * KB;
@@ -278,7 +280,7 @@ int chunk_attention(const uint16_t *q, long qsh, long qst, const uint16_t *k, lo
 def kernel() -> ctypes.CDLL | None:
     """The compiled kernel, or None: no AMX, no permission for its state, or no build
     (engine/cbuild.py)."""
-    if "amx_bf16" not in cbuild._cpu_flags().split():
+    if "amx_bf16" not in cbuild.cpu_flags().split():
         return None
     lib = cbuild.build("chunk_amx", SOURCE)
     if lib is None:
