@@ -1,6 +1,6 @@
 """A prompt chunk's attention over bf16 keys and values on AMX tiles, in C (Intel CPUs with AMX).
 
-torch's CPU SDPA ran a 2K bf16 prefill's second chunk at 200-260 GFLOP/s on this project's Intel
+torch's CPU SDPA ran a 2K bf16 prefill's second chunk at 200-360 GFLOP/s on this project's Intel
 machine (two cores with AMX), where matrix products on the same cores reach about 420, and
 attention was still about 40 % of SmolLM2's prefill and much of a later chat's first token on a
 shared document (docs/BENCHMARKS.md, "A prompt chunk's attention on AMX tiles").
