@@ -98,7 +98,7 @@ def start_kvsnap(
         "KVSNAP_KV_QUANT": kv_quant,
         "KVSNAP_DEFAULT_MAX_TOKENS": "16",
     }
-    if prefill_chunk:  # also the block of shared prompt prefixes (engine/prefixes.py)
+    if prefill_chunk:  # in float32 also the shared prefixes' block (bf16: 64 tokens, engine/prefixes.py)
         env["KVSNAP_PREFILL_CHUNK"] = str(prefill_chunk)
     env.pop("KVSNAP_REDIS_URL", None)
     kvsnap = Path(sys.executable).parent / "kvsnap"

@@ -139,7 +139,8 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
     own = _one_token_pays(query) and kwargs.get("softcap") is None
     fast = own and kernels.kernel() is not None
     chunks = own and chunk_kernel.kernel() is not None
-    scale = kwargs.get("scaling")
+    scale = kwargs.get("scaling")  # None: the function's own default (a capture records only a given one)
+    kernel_scale = query.shape[-1] ** -0.5 if scale is None else scale  # what the C kernels are handed
     for b, (start, end) in enumerate(keys.spans):
         q = query[:, :, start:end]
         capture = keys.captures[b]
@@ -152,14 +153,13 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
             else:
                 outputs.append(one_token_attention(q, keys[b], values[b], scale))
         elif chunks and chunk_kernel.fits(q, keys[b], values[b]):
-            row_scale = q.shape[-1] ** -0.5 if scale is None else scale
-            outputs.append(chunk_kernel.attention(q, keys[b], values[b], row_scale, keys.window))
+            outputs.append(chunk_kernel.attention(q, keys[b], values[b], kernel_scale, keys.window))
         else:
             outputs.append(attend(module, q, keys[b], values[b], keys.mask(b), **kwargs)[0])
     if fused:
         rows = [b for b, _ in fused]
-        scale = query.shape[-1] ** -0.5 if scale is None else scale
-        done = kernels.one_token_rows([q for _, q in fused], [keys[b] for b in rows], [values[b] for b in rows], scale)
+        queries = [q for _, q in fused]
+        done = kernels.one_token_rows(queries, [keys[b] for b in rows], [values[b] for b in rows], kernel_scale)
         for b, out in zip(rows, done, strict=True):
             outputs[b] = out
     return torch.cat(outputs, dim=1), None

@@ -173,7 +173,7 @@ static void unit(const uint16_t *q, long qsh, long qst, int h, long t0, int rows
         /* running softmax: a hidden key (past the query's row, the padding past L in the last
            group, or before its window) weighs 0; a block needs the per-key test where any key its
            groups score lies past the unit's first query or before the last query's window */
-        int edge = k0 + 16 * groups - 1 > first || (window > 0 && k0 <= last - window), n16 = groups;
+        int edge = k0 + 16 * groups - 1 > first || (window > 0 && k0 <= last - window);
         for (int r = 0; r < QB; r++) {
             float *sr = s + r * KB;
             uint16_t *pr = p + r * KB;
@@ -181,7 +181,7 @@ static void unit(const uint16_t *q, long qsh, long qst, int h, long t0, int rows
             int pos = (int)(first + r), from = window > 0 ? pos - window : -1;
             __m512 best = _mm512_set1_ps(NEG);
             const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            for (int c = 0; c < n16; c++) {
+            for (int c = 0; c < groups; c++) {
                 __m512 x = _mm512_mul_ps(_mm512_load_ps(sr + 16 * c), _mm512_set1_ps(scale));
                 if (edge) {
                     __m512i key = _mm512_add_epi32(_mm512_set1_epi32((int)k0 + 16 * c), iota);
@@ -200,7 +200,7 @@ static void unit(const uint16_t *q, long qsh, long qst, int h, long t0, int rows
             for (int c = 0; c < 2 * pairs; c += 2) {
                 __m512 e0 = exp512(_mm512_sub_ps(_mm512_load_ps(sr + 16 * c), shift));
                 __m512 e1 = _mm512_setzero_ps();   /* an odd last group: its pair's second half weighs 0 */
-                if (c + 1 < n16) e1 = exp512(_mm512_sub_ps(_mm512_load_ps(sr + 16 * c + 16), shift));
+                if (c + 1 < groups) e1 = exp512(_mm512_sub_ps(_mm512_load_ps(sr + 16 * c + 16), shift));
                 sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
                 _mm512_storeu_si512(pr + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
             }
