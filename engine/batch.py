@@ -24,8 +24,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from . import chunk_kernel, kernels
-from .cache import SlidingLayer
+from . import chunk_kernel, decode_rows, kernels
+from .cache import BlockRows, SlidingLayer
 from .session import Session
 
 
@@ -66,6 +66,7 @@ class RaggedKV(list):
     def __init__(self, spans, captures=None, window=None, masks=None):
         super().__init__()
         self.spans, self.captures, self.window, self._masks = spans, captures, window, masks
+        self.fast: decode_rows.OneTokenRows | None = None  # rows appended in C (their entries here: None)
 
     def mask(self, b: int) -> torch.Tensor | None:
         start, end = self.spans[b]
@@ -86,18 +87,46 @@ class BatchCache:
         for row in rows:
             self.spans.append((start, start + len(row.tokens)))
             start += len(row.tokens)
+        self._single = [b for b, row in enumerate(rows) if len(row.tokens) == 1]  # fast-path candidates
+        self._usable: bool | None = None  # decode_rows.usable, once a step
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]  # every session's layer is of the model's kind
         window = layer.sliding_window if isinstance(layer, SlidingLayer) else None
         keys = RaggedKV(self.spans, [row.capture for row in self.rows], window, self._mask)
         values = RaggedKV(self.spans)
-        for row, (start, end) in zip(self.rows, self.spans, strict=True):  # key_states: [1, H_kv, T, D]
+        fast = self._fast_rows(layer_idx, key_states)
+        if fast:
+            layers = [self.rows[b].session.cache.layers[layer_idx] for b in fast]
+            keys.fast = decode_rows.append(layers, [self.spans[b][0] for b in fast], key_states, value_states)
+            keys.fast.index = fast
+        skip = set(fast)
+        for b, (row, (start, end)) in enumerate(zip(self.rows, self.spans, strict=True)):  # key_states: [1, H_kv, T, D]
+            if b in skip:
+                keys.append(None)
+                values.append(None)
+                continue
             session_layer = row.session.cache.layers[layer_idx]
             k, v = session_layer.update(key_states[:, :, start:end], value_states[:, :, start:end])
             keys.append(k)
             values.append(v)
         return keys, values
+
+    def _fast_rows(self, layer_idx: int, key_states: torch.Tensor) -> list[int]:
+        """The rows engine/decode_rows.py appends and attends at this layer: one token, no capture
+        of the layer, an initialized cache layer of ours, bf16 on a CPU with the kernel built."""
+        if not self._single or not isinstance(self.layers[layer_idx], BlockRows):
+            return []
+        if self._usable is None:
+            self._usable = decode_rows.usable(key_states)
+        if not self._usable:
+            return []
+        return [
+            b
+            for b in self._single
+            if (capture := self.rows[b].capture) is None or layer_idx not in capture.layers
+            if self.rows[b].session.cache.layers[layer_idx].is_initialized
+        ]
 
     def _mask(self, q: int, k: int, window: int | None, like: torch.Tensor) -> torch.Tensor | None:
         """:func:`mask` for this step, made once for all the layers that share its shape."""
@@ -141,7 +170,15 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
     chunks = own and chunk_kernel.kernel() is not None
     scale = kwargs.get("scaling")  # None: the function's own default (a capture records only a given one)
     kernel_scale = query.shape[-1] ** -0.5 if scale is None else scale  # what the C kernels are handed
+    appended = keys.fast  # rows engine/decode_rows.py appended: the kernel takes them, or they become views
+    if appended is not None and not (fast and query.shape[1] // appended.kv_heads <= kernels.MAX_GROUP):
+        for i, b in enumerate(appended.index):
+            keys[b], values[b] = appended.views(i)
+        appended = None
     for b, (start, end) in enumerate(keys.spans):
+        if keys[b] is None:  # appended: below
+            outputs.append(None)
+            continue
         q = query[:, :, start:end]
         capture = keys.captures[b]
         if capture is not None and layer_idx in capture.layers:
@@ -162,6 +199,13 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
         done = kernels.one_token_rows(queries, [keys[b] for b in rows], [values[b] for b in rows], kernel_scale)
         for b, out in zip(rows, done, strict=True):
             outputs[b] = out
+    if appended is not None:
+        columns = [keys.spans[b][0] for b in appended.index]
+        done = appended.attend(query, columns, kernel_scale)  # [R, H, D]
+        if len(columns) == len(outputs):  # every row (a decode step): the outputs in packed order
+            return done[None], None
+        for i, b in enumerate(appended.index):
+            outputs[b] = done[i][None, None]
     return torch.cat(outputs, dim=1), None
 
 

@@ -68,6 +68,14 @@ class BlockRows:
         self._end += n
         return self.keys, self.values
 
+    def _claim_row(self, key_states: torch.Tensor, value_states: torch.Tensor) -> int:
+        """:meth:`_append` of one row whose values the caller writes (engine/decode_rows.py):
+        room for it (``*_states`` give the shape of a row), counted as in use; its index."""
+        if self._k is None or self._end + 1 > self._k.shape[-2]:
+            self._grow(key_states, value_states, 1)
+        self._end += 1
+        return self._end - 1
+
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, n: int) -> None:
         """New buffers with room for ``n`` more rows and a block spare; the rows in use move to the front."""
         used = self._end - self._start
@@ -114,6 +122,13 @@ class CompressedLayer(BlockRows, DynamicLayer):
         self.logical_len += key_states.shape[-2]
         return self._append(key_states, value_states)
 
+    def claim(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
+        """:meth:`update` with one token whose key and value the caller writes: the buffers, the
+        new row's index in them and the first row the token sees (engine/decode_rows.py)."""
+        self.logical_len += 1
+        row = self._claim_row(key_states, value_states)
+        return self._k, self._v, row, self._start
+
     @property
     def kept_len(self) -> int:
         return 0 if not self.is_initialized or self._k is None else self._end - self._start
@@ -149,6 +164,14 @@ class SlidingLayer(BlockRows, DynamicSlidingWindowLayer):
         keys, values = self._append(key_states, value_states)  # the window so far plus the new rows
         self._start = max(self._start, self._end - (self.sliding_window - 1))
         return keys, values
+
+    def claim(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
+        """:meth:`update` with one token whose key and value the caller writes (see
+        :meth:`CompressedLayer.claim`): the token sees the window before it, then the window moves."""
+        self.cumulative_length += 1
+        row, start = self._claim_row(key_states, value_states), self._start
+        self._start = max(self._start, self._end - (self.sliding_window - 1))
+        return self._k, self._v, row, start
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a session's sliding layer cannot be cropped")

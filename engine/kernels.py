@@ -202,6 +202,18 @@ int one_token_rows(int R, const float *q, const uint16_t **k, const uint16_t **v
     free(first);
     return 0;
 }
+
+/* R one-token rows' new keys and values into their sessions' buffers: row r's KV head h is
+   the D values at ks + h*hk + cols[r]*tk (vs + h*hv + cols[r]*tv), written to kd[r] + h*khs[r]
+   (vd[r] + h*vhs[r]). Plain copies: a row's bits are the projection's. */
+void append_rows(int R, int Hkv, int D, const uint16_t *ks, long hk, long tk, const uint16_t *vs, long hv,
+                 long tv, const long *cols, uint16_t **kd, uint16_t **vd, const long *khs, const long *vhs) {
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < Hkv; h++) {
+            memcpy(kd[r] + h * khs[r], ks + h * hk + cols[r] * tk, sizeof(uint16_t) * D);
+            memcpy(vd[r] + h * vhs[r], vs + h * hv + cols[r] * tv, sizeof(uint16_t) * D);
+        }
+}
 """
 
 
@@ -216,6 +228,9 @@ def kernel() -> ctypes.CDLL | None:
         fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         fn.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         fn.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+        lib.append_rows.restype = None
+        lib.append_rows.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] * 2
+        lib.append_rows.argtypes += [ctypes.c_void_p] * 5
     return lib
 
 
@@ -234,22 +249,34 @@ def fits(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
 def one_token_rows(queries: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor], scale: float):
     """Attention of one token per row over all its rows (no mask): queries ``[1, H, 1, D]``,
     keys / values ``[1, H_kv, L, D]`` (each :func:`fits`) -> per row ``[1, 1, H, D]`` bf16."""
-    lib = kernel()
     heads, dim = queries[0].shape[1], queries[0].shape[-1]
-    kv_heads, n = keys[0].shape[1], len(queries)
-    q = torch.cat([x.reshape(heads, dim) for x in queries]).float().contiguous()  # [R * H, D]
-    out = torch.empty(n * heads, dim)
+    q = torch.cat([x.reshape(heads, dim) for x in queries])  # [R * H, D]
+    pairs = zip(keys, values, strict=True)
+    rows = [(k.data_ptr(), v.data_ptr(), k.shape[-2], k.stride(1), v.stride(1)) for k, v in pairs]
+    out = attend(q, rows, keys[0].shape[1], scale)
+    return list(out.view(len(queries), 1, 1, heads, dim).unbind(0))
+
+
+def attend(queries: torch.Tensor, rows: list[tuple], kv_heads: int, scale: float) -> torch.Tensor:
+    """The kernel on raw rows: ``queries`` ``[R * H, D]`` (R rows of H heads); per row its keys'
+    and values' addresses, length and head strides (elements), bf16 rows of D contiguous
+    values. Returns ``[R * H, D]`` bf16."""
+    heads_total, dim = queries.shape
+    n = len(rows)
+    q = queries.float().contiguous()
+    out = torch.empty(heads_total, dim)
     ptrs = ctypes.c_void_p * n
     longs = ctypes.c_long * n
-    failed = lib.one_token_rows(
+    k_ptr, v_ptr, lengths, k_strides, v_strides = zip(*rows, strict=True)
+    failed = kernel().one_token_rows(
         n,
         q.data_ptr(),
-        ptrs(*(k.data_ptr() for k in keys)),
-        ptrs(*(v.data_ptr() for v in values)),
-        longs(*(k.shape[-2] for k in keys)),
-        longs(*(k.stride(1) for k in keys)),
-        longs(*(v.stride(1) for v in values)),
-        heads,
+        ptrs(*k_ptr),
+        ptrs(*v_ptr),
+        longs(*lengths),
+        longs(*k_strides),
+        longs(*v_strides),
+        heads_total // n,
         kv_heads,
         dim,
         scale,
@@ -258,4 +285,4 @@ def one_token_rows(queries: list[torch.Tensor], keys: list[torch.Tensor], values
     )
     if failed:
         raise MemoryError("the attention kernel could not allocate its work space")
-    return list(out.to(torch.bfloat16).view(n, 1, 1, heads, dim).unbind(0))
+    return out.to(torch.bfloat16)

@@ -89,11 +89,11 @@ def test_kernel_takes_every_decode_row_of_a_layer_in_one_call_and_answers_as_tor
 
     def tokens(use_kernel: bool) -> tuple[list[list[int]], list[int]]:
         calls = []
-        real = kernels.one_token_rows
+        real = kernels.attend  # what one_token_rows and engine/decode_rows.py call
         with monkeypatch.context() as m:
             if not use_kernel:
                 m.setattr(batch.kernels, "kernel", lambda: None)
-            m.setattr(kernels, "one_token_rows", lambda q, *a: (calls.append(len(q)), real(q, *a))[1])
+            m.setattr(kernels, "attend", lambda q, rows, *a: (calls.append(len(rows)), real(q, rows, *a))[1])
             engine = Engine(load_model(tiny_engine.loaded.name, dtype="bfloat16"), prefill_chunk=64)
             scheduler = Scheduler(engine, threading.RLock(), max_batch=4, start=False)
             params = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0)
