@@ -22,28 +22,31 @@ from dtype_bench import DOC
 from kvsnap.engine import Engine, load_model
 from kvsnap.engine.packed import pack_linears, unpack_linears
 
+PACKING = (unpack_linears, pack_linears, ("plain", "packed"))  # off, on, and their labels
 
-def side_by_side(model: torch.nn.Module, measure, reps: int) -> dict:
-    """``measure()`` with the weights unpacked and packed, alternating; medians and the ratio."""
-    times = {"plain": [], "packed": []}
+
+def side_by_side(model: torch.nn.Module, measure, reps: int, toggle=PACKING) -> dict:
+    """``measure()`` with the change off and on (by default the weights unpacked and packed),
+    alternating; medians and the ratio."""
+    off, on, labels = toggle
+    times = {label: [] for label in labels}
     for _ in range(reps):
-        unpack_linears(model)
-        times["plain"].append(measure())
-        pack_linears(model)
-        times["packed"].append(measure())
-    plain, packed = statistics.median(times["plain"]), statistics.median(times["packed"])
-    return {"plain": round(plain, 3), "packed": round(packed, 3), "speedup": round(plain / packed, 2)}
+        for switch, label in zip((off, on), labels, strict=True):
+            switch(model)
+            times[label].append(measure())
+    before, after = (statistics.median(times[label]) for label in labels)
+    return {labels[0]: round(before, 3), labels[1]: round(after, 3), "speedup": round(before / after, 2)}
 
 
-def measure(engine: Engine, doc: list[int], rows: dict, args) -> None:
+def measure(engine: Engine, doc: list[int], rows: dict, args, toggle=PACKING) -> None:
     for label, length in (("short", args.short), ("long", args.tokens)):
         sessions = sessions_on(engine, doc[:length], 8)
         for count in (1, 8):
             key = f"decode_ms_{count}_{label}"
             steps = lambda s=sessions[:count]: step_ms(engine, s, args.steps)  # noqa: E731
-            rows[key] = side_by_side(engine.model, steps, args.reps)
+            rows[key] = side_by_side(engine.model, steps, args.reps, toggle)
             print(engine.loaded.name, key, rows[key], flush=True)
-    rows["prefill_s_long"] = side_by_side(engine.model, lambda: prefill_s(engine, doc), args.reps)
+    rows["prefill_s_long"] = side_by_side(engine.model, lambda: prefill_s(engine, doc), args.reps, toggle)
     print(engine.loaded.name, "prefill_s_long", rows["prefill_s_long"], flush=True)
 
 
