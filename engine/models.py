@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, 
 
 from kvsnap.errors import InvalidArgument
 
-from . import capture
+from . import capture, lean
+from .fused import fuse
 from .packed import pack_linears
 
 log = logging.getLogger(__name__)
@@ -152,10 +153,16 @@ def load_model(
 
 
 def _pack(model: torch.nn.Module, name: str) -> None:
-    """bf16 CPU projections get weights packed once (engine/packed.py: bit-equal, faster)."""
+    """bf16 CPU projections get weights packed once (engine/packed.py: bit-equal, faster), and
+    norms and gated MLPs one pass each (engine/fused.py), and Llama-family layers without
+    transformers' module calls (engine/lean.py)."""
     added = pack_linears(model)
     if added:
         log.info("%s: linear weights packed for oneDNN (%.0f MiB more)", name, added / 2**20)
+    if fused := fuse(model):
+        log.info("%s: %d norm and MLP modules run the fused C kernels", name, fused)
+    if layers := lean.install(model):
+        log.info("%s: %d decoder layers run engine/lean.py's forward", name, layers)
 
 
 def _tiny(name: str, dev: torch.device, attn: str, dtype: torch.dtype) -> LoadedModel:

@@ -1,0 +1,116 @@
+"""A Llama decoder layer's forward for bf16 models on a CPU, without transformers' module calls.
+
+A decode step's layer is a few small products and a dozen smaller operators on 1-16 rows, and
+in transformers' ``LlamaDecoderLayer`` each of them also pays module dispatch (the attention,
+MLP, norm and projection modules, their hooks and decorators) and RoPE runs as fourteen
+operators. :func:`lean_forward` makes the calls the layer makes anyway, in the same order: the
+same packed projections (engine/packed.py), the same fused norm and activation kernels
+(engine/fused.py), the same cache update and attention function; RoPE is one C pass with
+transformers' roundings (:func:`.fused.rope`). The hidden states, keys and values are those of
+transformers' path bit for bit (tests/test_lean.py), so no invariant changes.
+
+:func:`install` points the forward of a bf16 CPU Llama-family model's decoder layers here
+(SmolLM2 is one) where the fused kernels built; a layer falls back to transformers' forward
+for anything else (a capture that wants the attention input: KVzap, KVzip+).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaMLP,
+    LlamaRMSNorm,
+    eager_attention_forward,
+)
+
+from . import fused
+from .batch import BatchCache
+from .packed import _packed_forward
+
+
+def _norm(module: LlamaRMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return fused.rms_norm(x, module.weight, module.variance_epsilon, gemma=False)
+
+
+def _wants_hidden(cache) -> bool:
+    """A row's capture wants the attention input (engine/capture.py's ``hidden_hook``)."""
+    return isinstance(cache, BatchCache) and any(r.capture is not None and r.capture.wants_hidden for r in cache.rows)
+
+
+def _applies(hidden_states: torch.Tensor, cache) -> bool:
+    """bf16 on a CPU, one sequence (a packed step's; :func:`.fused.rope` takes one), and no
+    capture that wants the attention input."""
+    return (
+        hidden_states.dtype == torch.bfloat16
+        and hidden_states.device.type == "cpu"
+        and hidden_states.shape[0] == 1
+        and not _wants_hidden(cache)
+    )
+
+
+def lean_forward(
+    self: LlamaDecoderLayer,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cache=None,
+    use_cache: bool | None = False,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    if not _applies(hidden_states, cache):
+        return type(self).forward(
+            self, hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
+        )  # fmt: skip
+    attn, mlp = self.self_attn, self.mlp
+    residual = hidden_states
+    hidden = _norm(self.input_layernorm, hidden_states)
+    shape = (*hidden.shape[:-1], -1, attn.head_dim)
+    query = _packed_forward(attn.q_proj, hidden).view(shape).transpose(1, 2)
+    key = _packed_forward(attn.k_proj, hidden).view(shape).transpose(1, 2)
+    value = _packed_forward(attn.v_proj, hidden).view(shape).transpose(1, 2)
+    query, key = fused.rope(query, key, *position_embeddings)
+    if cache is not None:
+        key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+    out, _ = attend(
+        attn, query, key, value, attention_mask, dropout=0.0, scaling=attn.scaling,
+        position_ids=position_ids, use_cache=use_cache, **kwargs,
+    )  # fmt: skip
+    out = out.reshape(*shape[:-2], -1).contiguous()
+    hidden = residual + _packed_forward(attn.o_proj, out)
+    residual = hidden
+    hidden = _norm(self.post_attention_layernorm, hidden)
+    gate, up = _packed_forward(mlp.gate_proj, hidden), _packed_forward(mlp.up_proj, hidden)
+    hidden = _packed_forward(mlp.down_proj, fused.act_mul(gate, up, fused._activation(mlp)))
+    return residual + hidden
+
+
+def install(model: nn.Module) -> int:
+    """Point a bf16 CPU Llama-family model's decoder layers at :func:`lean_forward`; how many
+    (0: another architecture or dtype, no fused kernels, or installed already)."""
+    first = next(model.parameters(), None)
+    if first is None or first.dtype != torch.bfloat16 or first.device.type != "cpu" or fused.library() is None:
+        return 0
+    count = 0
+    for module in model.modules():
+        if type(module) is not LlamaDecoderLayer or "forward" in module.__dict__:
+            continue
+        if type(module.mlp) is not LlamaMLP or fused._activation(module.mlp) is None:
+            continue
+        module.forward = types.MethodType(lean_forward, module)
+        count += 1
+    return count
+
+
+def uninstall(model: nn.Module) -> None:
+    """Undo :func:`install` (benchmarks compare both in one run)."""
+    for module in model.modules():
+        if type(module) is LlamaDecoderLayer and "forward" in module.__dict__:
+            del module.forward
