@@ -11,7 +11,11 @@ no session header, greedy. Workloads (the same requests to both, in the same ord
   KV cache (VLLM_CPU_KVCACHE_SPACE) and for kvsnap's tiers (half on the device tier, half on the
   host; --kvsnap-kv-quant kivi4 quantizes the host tier's).
 - ``decode``: --chats short prompts generating --decode-tokens each, all at once (decode tokens/s
-  with that many sequences in the batch).
+  with that many sequences in the batch). Both servers are up together for this one, and the
+  rounds alternate between them (--decode-rounds each, new prompts every round, the same to
+  both), each once the other server is idle: medians, and the CPU the idle one used meanwhile.
+  This machine's speed moves by up to 1.7x within minutes, which one round per server, minutes
+  apart, cannot tell from either.
 - ``shared``: --chats chats over --shared-docs documents (shared documents for RAG): each chat
   opens with its document and a question of its own, then asks one follow-up. Each document's
   first chat goes first (all documents at once); then every other chat's first turn
@@ -40,6 +44,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from peer_decode import decode_alternating
 from peer_servers import KEY, Server, model_folder, start_kvsnap, start_vllm
 
 
@@ -176,25 +181,6 @@ def prefilled_follow_ups(rows: list[dict]) -> dict:
     }
 
 
-def decode_phase(server: Server, model: str, count: int, tokens: int) -> dict:
-    import openai
-
-    client = openai.OpenAI(base_url=server.url, api_key=KEY, timeout=1800, max_retries=0)
-    prompts = [f"Write a long story about a lighthouse keeper named Ada, part {i + 1}." for i in range(count)]
-    t0 = time.perf_counter()
-
-    def one(prompt: str):
-        messages = [{"role": "user", "content": prompt}]
-        return client.chat.completions.create(model=model, messages=messages, max_tokens=tokens, temperature=0)
-
-    with ThreadPoolExecutor(count) as pool:
-        done = list(pool.map(one, prompts))
-    wall = time.perf_counter() - t0
-    made = sum(d.usage.completion_tokens for d in done)
-    return {"wall_s": round(wall, 2), "completion_tokens": made, "decode_tok_s": round(made / wall, 1),
-            "texts": [d.choices[0].message.content for d in done]}  # fmt: skip
-
-
 def shared_phase(server: Server, model: str, args) -> dict:
     """The ``shared`` workload: first chats on each document, then the later ones, then follow-ups."""
     import openai
@@ -248,7 +234,7 @@ PREFIX_SHARE = 0.25  # of kvsnap's KV memory, the shared workload's shared prefi
 
 def run_server(name: str, args, work: Path, folder: str) -> dict:
     out = {}
-    for workload in args.workloads:
+    for workload in [w for w in args.workloads if w != "decode"]:  # decode: decode_alternating
         kv = args.kv_gib if workload == "pressure" else args.fit_kv_gib
         if name == "vllm":
             server = start_vllm(folder, args.model, kv, args.threads, args.vllm_dtype, work)
@@ -259,9 +245,7 @@ def run_server(name: str, args, work: Path, folder: str) -> dict:
                 kv_quant=args.kvsnap_kv_quant,
             )  # fmt: skip
         try:
-            if workload == "decode":
-                out[workload] = decode_phase(server, args.model, args.chats, args.decode_tokens)
-            elif workload == "shared":
+            if workload == "shared":
                 out[workload] = shared_phase(server, args.model, args)
             else:
                 count, turns = (args.pressure_chats, 2) if workload == "pressure" else (args.chats, args.turns)
@@ -303,6 +287,7 @@ def main() -> None:
     ap.add_argument("--shared-docs", type=int, default=2, help="the shared workload's documents")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--decode-rounds", type=int, default=3, help="the decode workload's rounds per server")
     ap.add_argument("--kv-gib", type=float, default=1.0, help="the pressure case's KV memory, both servers")
     ap.add_argument("--fit-kv-gib", type=float, default=4.0, help="the other workloads' KV memory")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -317,6 +302,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.small:
         args.chats, args.turns, args.pressure_chats, args.doc_tokens, args.decode_tokens = 2, 2, 3, 600, 16
+        args.decode_rounds = 1
     if "shared" in args.workloads and args.chats <= args.shared_docs:
         ap.error(f"the shared workload needs more chats ({args.chats}) than --shared-docs ({args.shared_docs})")
     folder = model_folder(args.model)
@@ -324,6 +310,11 @@ def main() -> None:
         work = Path(tmp)
         vllm = run_server("vllm", args, work, folder)
         ours = run_server("kvsnap", args, work, folder)
+        if "decode" in args.workloads:
+            vllm["decode"], ours["decode"] = decode_alternating(args, work, folder)
+            for name, got in (("vllm", vllm), ("kvsnap", ours)):
+                shown = {k: v for k, v in got["decode"].items() if k != "texts"}
+                print(f"{name} decode: {json.dumps(shown)}", flush=True)
     result = {"model": args.model, "folder": folder, "args": {k: v for k, v in vars(args).items() if k != "out"},
               "vllm": vllm, "kvsnap": ours, "ratios_kvsnap_over_vllm": compare(vllm, ours)}  # fmt: skip
     print(json.dumps(result["ratios_kvsnap_over_vllm"], indent=1))
