@@ -1,8 +1,13 @@
 """kvsnap against vLLM's CPU build on this machine: the same model folder, client and requests.
 
-Both servers serve the folder kvsnap converts an embedded model into, one at a time (the machine
-has few cores), each from a fresh start, through the plain ``openai`` client: streaming chat,
-no session header, greedy. Workloads (the same requests to both, in the same order):
+Both servers serve the folder kvsnap converts an embedded model into, each from a fresh start
+for each workload, through the plain ``openai`` client: streaming chat, no session header,
+greedy. This machine's speed moves by up to 1.7x within minutes, which one server's run
+minutes after the other's cannot tell from either server's own: so for ``fit``, ``pressure``
+and ``decode`` both servers are up together and the workload's rounds alternate between them
+(vLLM first in even rounds), each round once the other server is idle (vLLM's engine polls for
+a few seconds after its last request); each round records the CPU the idle server used
+meanwhile. Workloads (the same requests to both, in the same order):
 
 - ``fit``: --chats chats of --turns turns; each opens with a fact document (tools/facts.py:
   varied prose stating one fact per turn once) and asks about one fact per turn; turns go round
@@ -11,16 +16,14 @@ no session header, greedy. Workloads (the same requests to both, in the same ord
   KV cache (VLLM_CPU_KVCACHE_SPACE) and for kvsnap's tiers (half on the device tier, half on the
   host; --kvsnap-kv-quant kivi4 quantizes the host tier's).
 - ``decode``: --chats short prompts generating --decode-tokens each, all at once (decode tokens/s
-  with that many sequences in the batch). Both servers are up together for this one, and the
-  rounds alternate between them (--decode-rounds each, new prompts every round, the same to
-  both), each once the other server is idle: medians, and the CPU the idle one used meanwhile.
-  This machine's speed moves by up to 1.7x within minutes, which one round per server, minutes
-  apart, cannot tell from either.
+  with that many sequences in the batch), --decode-rounds rounds with new prompts each (the
+  same to both): medians.
 - ``shared``: --chats chats over --shared-docs documents (shared documents for RAG): each chat
   opens with its document and a question of its own, then asks one follow-up. Each document's
   first chat goes first (all documents at once); then every other chat's first turn
   (--in-flight at once), then every follow-up. Turn-1 TTFT of the first chat on a document
-  against the later ones on it (which a prefix cache serves), and follow-up TTFT.
+  against the later ones on it (which a prefix cache serves), and follow-up TTFT. One server
+  after the other: each phase depends on what the server cached in the earlier ones.
 
 Per server and workload: wall time, turn-1 and follow-up TTFT (p50 / p90), prefill tokens/s
 (the first round's prompt tokens over that round's wall time), decode tokens/s, answers right
@@ -45,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from peer_decode import decode_alternating
-from peer_servers import KEY, Server, model_folder, start_kvsnap, start_vllm
+from peer_servers import KEY, Server, alternate, model_folder, start_kvsnap, start_pair, start_vllm
 
 
 def chats(model: str, count: int, turns: int, doc_tokens: int, seed0: int) -> list[dict]:
@@ -108,29 +111,53 @@ def new_tokens(turn: dict, previous: dict | None) -> int:
     return turn["prompt_tokens"] - previous["prompt_tokens"] - answer + (answer > 0)
 
 
-def conversations(server: Server, model: str, convs: list[dict], turns: int, in_flight: int, max_tokens: int):
-    """Round by round over every chat (``in_flight`` at once): each turn's figures and answers."""
-    import openai
+class Chats:
+    """One server's side of a multi-turn workload, a round at a time: every chat's next turn,
+    ``in_flight`` at once; each turn's figures and answers in ``rows``, each round's seconds in
+    ``rounds_s``."""
 
-    client = openai.OpenAI(base_url=server.url, api_key=KEY, timeout=1800, max_retries=0)
-    tok_count = _prompt_tokens(model)
-    rows, rounds_s = [], []
-    history = [[] for _ in convs]
-    last: list[dict | None] = [None for _ in convs]  # each chat's previous turn
+    def __init__(self, server: Server, model: str, convs: list[dict], in_flight: int, max_tokens: int):
+        import openai
 
-    def one(i: int, turn: int) -> dict:
-        fact = convs[i]["facts"][turn]
-        text = f"{convs[i]['document']}\n\n{fact.question}" if turn == 0 else fact.question
-        got = ask_in_chat(client, model, tok_count, history, last, i, text, max_tokens)
-        right = fact.answer.lower() in got["text"].lower()
-        return got | {"chat": i, "turn": turn + 1, "right": right}
+        self.client = openai.OpenAI(base_url=server.url, api_key=KEY, timeout=1800, max_retries=0)
+        self.model, self.convs, self.in_flight, self.max_tokens = model, convs, in_flight, max_tokens
+        self.tok_count = _prompt_tokens(model)
+        self.rows: list[dict] = []
+        self.rounds_s: list[float] = []
+        self.history: list[list] = [[] for _ in convs]
+        self.last: list[dict | None] = [None for _ in convs]  # each chat's previous turn
 
-    with ThreadPoolExecutor(in_flight) as pool:
-        for turn in range(turns):
-            t0 = time.perf_counter()
-            rows += list(pool.map(lambda i, t=turn: one(i, t), range(len(convs))))
-            rounds_s.append(time.perf_counter() - t0)
-    return rows, rounds_s
+    def one(self, i: int, turn: int) -> dict:
+        conv = self.convs[i]
+        fact = conv["facts"][turn]
+        text = f"{conv['document']}\n\n{fact.question}" if turn == 0 else fact.question
+        got = ask_in_chat(self.client, self.model, self.tok_count, self.history, self.last, i, text, self.max_tokens)
+        return got | {"chat": i, "turn": turn + 1, "right": fact.answer.lower() in got["text"].lower()}
+
+    def round(self, turn: int) -> dict:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(self.in_flight) as pool:
+            self.rows += list(pool.map(lambda i: self.one(i, turn), range(len(self.convs))))
+        self.rounds_s.append(time.perf_counter() - t0)
+        return {"seconds": round(self.rounds_s[-1], 2)}
+
+
+def conversations_alternating(workload: str, args, work: Path, folder: str) -> dict[str, dict]:
+    """``fit`` or ``pressure`` with both servers up, round by round: each round on vLLM and on
+    kvsnap in turn (:func:`.alternate`), so that both meet the machine's speed of the moment."""
+    count, turns = (args.pressure_chats, 2) if workload == "pressure" else (args.chats, args.turns)
+    convs = chats(args.model, count, turns, args.doc_tokens, seed0=100)
+    servers = start_pair(args, work, folder, args.kv_gib if workload == "pressure" else args.fit_kv_gib)
+    sides = {name: Chats(srv, args.model, convs, args.in_flight, args.max_tokens) for name, srv in servers.items()}
+    rounds = alternate(servers, turns, lambda name, server, r: sides[name].round(r), workload)
+    out = {}
+    for name, side in sides.items():
+        idle = [g["other_server_cpu_s"] for g in rounds[name]]
+        out[name] = summarize(side.rows, side.rounds_s) | {"other_server_cpu_s": idle}
+        out[name]["answers"] = [r["text"] for r in side.rows]
+        shown = {k: v for k, v in out[name].items() if k != "answers"}
+        print(f"{name} {workload}: {json.dumps(shown)}", flush=True)
+    return out
 
 
 def _prompt_tokens(model: str):
@@ -232,30 +259,24 @@ def shared_phase(server: Server, model: str, args) -> dict:
 PREFIX_SHARE = 0.25  # of kvsnap's KV memory, the shared workload's shared prefixes (the rest: its tiers)
 
 
-def run_server(name: str, args, work: Path, folder: str) -> dict:
+def shared_sequential(args, work: Path, folder: str) -> dict[str, dict]:
+    """The ``shared`` workload on each server in turn, each from a fresh start (its phases depend
+    on what the server cached in the earlier ones, so they do not alternate)."""
     out = {}
-    for workload in [w for w in args.workloads if w != "decode"]:  # decode: decode_alternating
-        kv = args.kv_gib if workload == "pressure" else args.fit_kv_gib
+    for name in ("vllm", "kvsnap"):
         if name == "vllm":
-            server = start_vllm(folder, args.model, kv, args.threads, args.vllm_dtype, work)
+            server = start_vllm(folder, args.model, args.fit_kv_gib, args.threads, args.vllm_dtype, work)
         else:
-            share = PREFIX_SHARE if workload == "shared" else 0.0  # the others' chats share no document
             server = start_kvsnap(
-                args.model, kv, args.kvsnap_dtype, work, args.kvsnap_prefill_chunk, prefix_share=share,
-                kv_quant=args.kvsnap_kv_quant,
+                args.model, args.fit_kv_gib, args.kvsnap_dtype, work, args.kvsnap_prefill_chunk,
+                prefix_share=PREFIX_SHARE, kv_quant=args.kvsnap_kv_quant,
             )  # fmt: skip
         try:
-            if workload == "shared":
-                out[workload] = shared_phase(server, args.model, args)
-            else:
-                count, turns = (args.pressure_chats, 2) if workload == "pressure" else (args.chats, args.turns)
-                convs = chats(args.model, count, turns, args.doc_tokens, seed0=100)
-                rows, rounds_s = conversations(server, args.model, convs, turns, args.in_flight, args.max_tokens)
-                out[workload] = summarize(rows, rounds_s) | {"answers": [r["text"] for r in rows]}
+            out[name] = shared_phase(server, args.model, args)
         finally:
             server.stop()
-        shown = {k: v for k, v in out[workload].items() if k not in ("answers", "texts")}
-        print(f"{name} {workload}: {json.dumps(shown)}", flush=True)
+        shown = {k: v for k, v in out[name].items() if k != "answers"}
+        print(f"{name} shared: {json.dumps(shown)}", flush=True)
     return out
 
 
@@ -308,13 +329,16 @@ def main() -> None:
     folder = model_folder(args.model)
     with tempfile.TemporaryDirectory(prefix="peer-bench-") as tmp:
         work = Path(tmp)
-        vllm = run_server("vllm", args, work, folder)
-        ours = run_server("kvsnap", args, work, folder)
-        if "decode" in args.workloads:
-            vllm["decode"], ours["decode"] = decode_alternating(args, work, folder)
-            for name, got in (("vllm", vllm), ("kvsnap", ours)):
-                shown = {k: v for k, v in got["decode"].items() if k != "texts"}
-                print(f"{name} decode: {json.dumps(shown)}", flush=True)
+        vllm, ours = {}, {}
+        for workload in args.workloads:
+            if workload == "decode":
+                vllm[workload], ours[workload] = decode_alternating(args, work, folder)
+            elif workload == "shared":
+                both = shared_sequential(args, work, folder)
+                vllm[workload], ours[workload] = both["vllm"], both["kvsnap"]
+            else:
+                both = conversations_alternating(workload, args, work, folder)
+                vllm[workload], ours[workload] = both["vllm"], both["kvsnap"]
     result = {"model": args.model, "folder": folder, "args": {k: v for k, v in vars(args).items() if k != "out"},
               "vllm": vllm, "kvsnap": ours, "ratios_kvsnap_over_vllm": compare(vllm, ours)}  # fmt: skip
     print(json.dumps(result["ratios_kvsnap_over_vllm"], indent=1))

@@ -105,3 +105,66 @@ def start_kvsnap(
     cmd = [str(kvsnap), "serve", "--model", model, "--replicas", "1", "--http-port", str(port), "--grpc-port", "0"]
     cmd += ["--data-dir", str(work / "kvsnap-data"), "--dtype", dtype]
     return Server("kvsnap", cmd, env, port, work / "kvsnap.log")
+
+
+def group_cpu_s(server: Server) -> float:
+    """CPU seconds used so far by the processes of ``server``'s session (itself and what it started)."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for proc in Path("/proc").iterdir():
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == server.proc.pid:  # the session id: start_new_session made the server its leader
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def settle(server: Server, quiet_cpu_s: float = 0.05, timeout_s: float = 60.0) -> float:
+    """Wait until ``server`` is idle (under ``quiet_cpu_s`` of CPU in half a second: vLLM's engine
+    keeps polling for a few seconds after its last request); the seconds waited."""
+    began = time.perf_counter()
+    while time.perf_counter() - began < timeout_s:
+        before = group_cpu_s(server)
+        time.sleep(0.5)
+        if group_cpu_s(server) - before < quiet_cpu_s:
+            break
+    return round(time.perf_counter() - began, 1)
+
+
+def start_pair(args, work: Path, folder: str, kv_gib: float, prefix_share: float = 0.0) -> dict[str, Server]:
+    """Both servers up at once (vLLM's and kvsnap's KV memory ``kv_gib`` each), for workloads
+    whose rounds alternate between them (:func:`alternate`)."""
+    vllm = start_vllm(folder, args.model, kv_gib, args.threads, args.vllm_dtype, work)
+    try:
+        ours = start_kvsnap(
+            args.model, kv_gib, args.kvsnap_dtype, work, args.kvsnap_prefill_chunk, prefix_share=prefix_share,
+            kv_quant=args.kvsnap_kv_quant,
+        )  # fmt: skip
+    except BaseException:
+        vllm.stop()
+        raise
+    return {"vllm": vllm, "kvsnap": ours}
+
+
+def alternate(servers: dict[str, Server], rounds: int, run, label: str) -> dict[str, list[dict]]:
+    """``run(name, server, r)`` for rounds ``r`` on both servers, vLLM first in even rounds and
+    kvsnap in odd ones, each once the other is idle (:func:`settle`); each result gets the CPU
+    the idle server used meanwhile and the seconds waited for it. Stops both servers."""
+    out: dict[str, list[dict]] = {name: [] for name in servers}
+    try:
+        for r in range(rounds):
+            for name in ("vllm", "kvsnap") if r % 2 == 0 else ("kvsnap", "vllm"):
+                other = servers["kvsnap" if name == "vllm" else "vllm"]
+                waited = settle(other)
+                idle0 = group_cpu_s(other)
+                got = run(name, servers[name], r)
+                got["other_server_cpu_s"] = round(group_cpu_s(other) - idle0, 2)
+                got["settle_s"] = waited
+                out[name].append(got)
+                shown = {k: v for k, v in got.items() if k in ("seconds", "decode_tok_s", "other_server_cpu_s")}
+                print(f"{name} {label} round {r + 1}: {shown}", flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    return out

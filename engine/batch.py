@@ -95,7 +95,7 @@ class BatchCache:
         window = layer.sliding_window if isinstance(layer, SlidingLayer) else None
         keys = RaggedKV(self.spans, [row.capture for row in self.rows], window, self._mask)
         values = RaggedKV(self.spans)
-        fast = self._fast_rows(layer_idx, key_states)
+        fast = self._fast_rows(layer_idx, key_states, value_states)
         if fast:
             layers = [self.rows[b].session.cache.layers[layer_idx] for b in fast]
             keys.fast = decode_rows.append(layers, [self.spans[b][0] for b in fast], key_states, value_states)
@@ -112,13 +112,13 @@ class BatchCache:
             values.append(v)
         return keys, values
 
-    def _fast_rows(self, layer_idx: int, key_states: torch.Tensor) -> list[int]:
+    def _fast_rows(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> list[int]:
         """The rows engine/decode_rows.py appends and attends at this layer: one token, no capture
         of the layer, an initialized cache layer of ours, bf16 on a CPU with the kernel built."""
         if not self._single or not isinstance(self.layers[layer_idx], BlockRows):
             return []
         if self._usable is None:
-            self._usable = decode_rows.usable(key_states)
+            self._usable = decode_rows.usable(key_states, value_states)
         if not self._usable:
             return []
         return [

@@ -57,13 +57,13 @@ class OneTokenRows:
         return out.view(len(columns), heads, dim)
 
 
-def usable(key_states: torch.Tensor) -> bool:
-    """Whether this step's keys can take the fast path: bf16 on a CPU, the kernel built, rows
-    of contiguous values."""
+def usable(key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+    """Whether this step's keys and values can take the fast path: bf16 on a CPU, the kernel
+    built, rows of contiguous values."""
     return (
         key_states.device.type == "cpu"
-        and key_states.dtype == torch.bfloat16
-        and key_states.stride(-1) == 1
+        and key_states.dtype == value_states.dtype == torch.bfloat16
+        and key_states.stride(-1) == value_states.stride(-1) == 1
         and kernels.kernel() is not None
     )
 

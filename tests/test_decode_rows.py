@@ -31,7 +31,7 @@ def _run(name: str, fast: bool, monkeypatch) -> tuple[list[list[int]], list, lis
     real = decode_rows.append
     with monkeypatch.context() as m:
         if not fast:
-            m.setattr(batch.BatchCache, "_fast_rows", lambda self, i, k: [])
+            m.setattr(batch.BatchCache, "_fast_rows", lambda self, *a: [])
         m.setattr(decode_rows, "append", lambda layers, *a: (appended.append(len(layers)), real(layers, *a))[1])
         engine = Engine(load_model(name, dtype="bfloat16"), prefill_chunk=32)
         scheduler = Scheduler(engine, threading.RLock(), max_batch=8, start=False)
@@ -93,7 +93,7 @@ def test_fast_rows_fall_back_to_views_where_the_kernel_cannot_take_them(monkeypa
             engine.turn(session, random_tokens(30 + i, seed=9 + i), SamplingParams(max_new_tokens=1))
         with monkeypatch.context() as m:
             if not fast:
-                m.setattr(batch.BatchCache, "_fast_rows", lambda self, i, k: [])
+                m.setattr(batch.BatchCache, "_fast_rows", lambda self, *a: [])
             return engine.decode_step(sessions)
 
     appended = []
