@@ -1,4 +1,4 @@
-"""RMSNorm and the MLP's gated activation of bf16 CPU models in one pass each, in C.
+"""RMSNorm, the MLP's gated activation and RoPE of bf16 CPU models in one pass each, in C.
 
 transformers' ``LlamaRMSNorm`` runs eight operators over its input (a float32 copy, square,
 mean, add, rsqrt, multiply, a bf16 copy, the weight), ``Gemma3RMSNorm`` six, and a gated MLP
@@ -10,7 +10,9 @@ rounding order (a different sum order in the mean, vectorised ``expf`` / ``tanhf
 
 - Llama's norm: ``bf16(w * bf16(x * r))``, r = 1 / sqrt(mean(x^2) + eps) in float32;
 - Gemma 3's: ``bf16(x * r * (1 + w))`` in float32 (its weight is an offset from one);
-- the activation: ``bf16(bf16(act(gate)) * up)``, act = SiLU or GELU's tanh approximation.
+- the activation: ``bf16(bf16(act(gate)) * up)``, act = SiLU or GELU's tanh approximation;
+- RoPE (:func:`rope`, which engine/lean.py calls): ``bf16(bf16(x * cos) + bf16(rotate_half(x) *
+  sin))``, transformers' three roundings of elementwise products, so bit for bit its values.
 
 :func:`fuse` points the forward of a bf16 CPU model's norm and MLP modules (the classes in
 :data:`NORMS` and :data:`MLPS`) at these functions when the library builds; float32, CUDA, and a
