@@ -1,13 +1,11 @@
 """kvsnap against vLLM's CPU build on this machine: the same model folder, client and requests.
 
-Both servers serve the folder kvsnap converts an embedded model into, each from a fresh start
-for each workload, through the plain ``openai`` client: streaming chat, no session header,
-greedy. This machine's speed moves by up to 1.7x within minutes, which one server's run
-minutes after the other's cannot tell from either server's own: so for ``fit``, ``pressure``
-and ``decode`` both servers are up together and the workload's rounds alternate between them
-(vLLM first in even rounds), each round once the other server is idle (vLLM's engine polls for
-a few seconds after its last request); each round records the CPU the idle server used
-meanwhile. Workloads (the same requests to both, in the same order):
+Both servers serve the folder kvsnap converts an embedded model into, fresh for each workload,
+through the plain ``openai`` client: streaming chat, no session header, greedy. This machine's
+speed moves by up to 1.7x within minutes, so for ``fit``, ``pressure`` and ``decode`` both
+servers are up together and the rounds alternate between them (vLLM first in even rounds),
+each once the other server is idle (vLLM's engine polls for seconds after its last request),
+recording the CPU the idle server used meanwhile. Workloads (the same requests to both):
 
 - ``fit``: --chats chats of --turns turns; each opens with a fact document (tools/facts.py:
   varied prose stating one fact per turn once) and asks about one fact per turn; turns go round
