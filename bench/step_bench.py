@@ -38,6 +38,16 @@ def use(case: str, model: torch.nn.Module) -> None:
     (lean.install if case == "c_rows_lean" else lean.uninstall)(model)
 
 
+def by_case(model: torch.nn.Module, measure, reps: int, digits: int) -> dict[str, float]:
+    """``measure()`` in every case, the cases alternating in order and reverse ``reps`` times; medians."""
+    times: dict[str, list] = {case: [] for case in CASES}
+    for rep in range(reps):
+        for case in CASES if rep % 2 == 0 else CASES[::-1]:
+            use(case, model)
+            times[case].append(measure())
+    return {case: round(statistics.median(t), digits) for case, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2-135m,gemma3-270m")
@@ -57,20 +67,12 @@ def main() -> None:
         rows = {}
         for label, length in (("short", args.short), ("long", args.tokens)):
             sessions = sessions_on(engine, doc[:length], args.sessions)
-            times: dict[str, list] = {case: [] for case in CASES}
-            for rep in range(args.reps):
-                for case in CASES if rep % 2 == 0 else CASES[::-1]:
-                    use(case, engine.model)
-                    times[case].append(step_ms(engine, sessions, args.steps))
-            rows[f"decode_ms_{label}_{length}"] = {case: round(statistics.median(t), 1) for case, t in times.items()}
-            print(name, label, rows[f"decode_ms_{label}_{length}"], flush=True)
-        times = {case: [] for case in CASES}
-        for rep in range(args.reps):
-            for case in CASES if rep % 2 == 0 else CASES[::-1]:
-                use(case, engine.model)
-                times[case].append(prefill_s(engine, doc[: args.tokens]))
-        rows[f"prefill_s_{args.tokens}"] = {case: round(statistics.median(t), 3) for case, t in times.items()}
-        print(name, "prefill", rows[f"prefill_s_{args.tokens}"], flush=True)
+            steps = by_case(engine.model, lambda e=engine, s=sessions: step_ms(e, s, args.steps), args.reps, 1)
+            rows[f"decode_ms_{label}_{length}"] = steps
+            print(name, label, steps, flush=True)
+        prefill = by_case(engine.model, lambda e=engine, d=doc[: args.tokens]: prefill_s(e, d), args.reps, 3)
+        rows[f"prefill_s_{args.tokens}"] = prefill
+        print(name, "prefill", prefill, flush=True)
         for key, got in list(rows.items()):
             rows[key]["speedup"] = round(got["operators"] / got["c_rows_lean"], 3)
         use("c_rows_lean", engine.model)

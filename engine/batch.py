@@ -98,8 +98,7 @@ class BatchCache:
         fast = self._fast_rows(layer_idx, key_states, value_states)
         if fast:
             layers = [self.rows[b].session.cache.layers[layer_idx] for b in fast]
-            keys.fast = decode_rows.append(layers, [self.spans[b][0] for b in fast], key_states, value_states)
-            keys.fast.index = fast
+            keys.fast = decode_rows.append(fast, layers, [self.spans[b][0] for b in fast], key_states, value_states)
         skip = set(fast)
         for b, (row, (start, end)) in enumerate(zip(self.rows, self.spans, strict=True)):  # key_states: [1, H_kv, T, D]
             if b in skip:

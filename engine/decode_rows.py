@@ -68,10 +68,13 @@ def usable(key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
     )
 
 
-def append(layers: list, columns: list[int], key_states: torch.Tensor, value_states: torch.Tensor) -> OneTokenRows:
-    """Append each row's one new key and value (``key_states[:, :, columns[i]]``) to its cache
-    layer ``layers[i]`` (every one initialized): one C call for all of them."""
+def append(
+    index: list[int], layers: list, columns: list[int], key_states: torch.Tensor, value_states: torch.Tensor
+) -> OneTokenRows:
+    """Append the step's rows ``index``, each one new key and value (``key_states[:, :,
+    columns[i]]``), to their cache layers ``layers[i]`` (every one initialized): one C call."""
     rows = OneTokenRows()
+    rows.index = index
     dim = key_states.shape[-1]
     k_dst, v_dst, k_strides, v_strides = [], [], [], []
     for layer in layers:

@@ -4,9 +4,9 @@ A decode step's layer is a few small products and a dozen smaller operators on 1
 in transformers' ``LlamaDecoderLayer`` each of them also pays module dispatch (the attention,
 MLP, norm and projection modules, their hooks and decorators) and RoPE runs as fourteen
 operators. :func:`lean_forward` makes the calls the layer makes anyway, in the same order: the
-same packed projections (engine/packed.py), the same fused norm and activation kernels
-(engine/fused.py), the same cache update and attention function; RoPE is one C pass with
-transformers' roundings (:func:`.fused.rope`). The hidden states, keys and values are those of
+same packed projections (engine/packed.py), the norm and MLP modules' own forwards called
+directly (engine/fused.py's where fused), the same cache update and attention function; RoPE
+is one C pass with transformers' roundings (:func:`.fused.rope`). The hidden states, keys and values are those of
 transformers' path bit for bit (tests/test_lean.py), so no invariant changes.
 
 :func:`install` points the forward of a bf16 CPU Llama-family model's decoder layers here
@@ -21,20 +21,11 @@ import types
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import (
-    LlamaDecoderLayer,
-    LlamaMLP,
-    LlamaRMSNorm,
-    eager_attention_forward,
-)
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, eager_attention_forward
 
 from . import fused
 from .batch import BatchCache
 from .packed import _packed_forward
-
-
-def _norm(module: LlamaRMSNorm, x: torch.Tensor) -> torch.Tensor:
-    return fused.rms_norm(x, module.weight, module.variance_epsilon, gemma=False)
 
 
 def _wants_hidden(cache) -> bool:
@@ -70,7 +61,7 @@ def lean_forward(
         )  # fmt: skip
     attn, mlp = self.self_attn, self.mlp
     residual = hidden_states
-    hidden = _norm(self.input_layernorm, hidden_states)
+    hidden = self.input_layernorm.forward(hidden_states)  # fused.py's where fused
     shape = (*hidden.shape[:-1], -1, attn.head_dim)
     query = _packed_forward(attn.q_proj, hidden).view(shape).transpose(1, 2)
     key = _packed_forward(attn.k_proj, hidden).view(shape).transpose(1, 2)
@@ -86,10 +77,8 @@ def lean_forward(
     out = out.reshape(*shape[:-2], -1).contiguous()
     hidden = residual + _packed_forward(attn.o_proj, out)
     residual = hidden
-    hidden = _norm(self.post_attention_layernorm, hidden)
-    gate, up = _packed_forward(mlp.gate_proj, hidden), _packed_forward(mlp.up_proj, hidden)
-    hidden = _packed_forward(mlp.down_proj, fused.act_mul(gate, up, fused._activation(mlp)))
-    return residual + hidden
+    hidden = self.post_attention_layernorm.forward(hidden)
+    return residual + mlp.forward(hidden)
 
 
 def install(model: nn.Module) -> int:
@@ -101,8 +90,6 @@ def install(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if type(module) is not LlamaDecoderLayer or "forward" in module.__dict__:
-            continue
-        if type(module.mlp) is not LlamaMLP or fused._activation(module.mlp) is None:
             continue
         module.forward = types.MethodType(lean_forward, module)
         count += 1

@@ -32,7 +32,7 @@ def _run(name: str, fast: bool, monkeypatch) -> tuple[list[list[int]], list, lis
     with monkeypatch.context() as m:
         if not fast:
             m.setattr(batch.BatchCache, "_fast_rows", lambda self, *a: [])
-        m.setattr(decode_rows, "append", lambda layers, *a: (appended.append(len(layers)), real(layers, *a))[1])
+        m.setattr(decode_rows, "append", lambda index, *a: (appended.append(len(index)), real(index, *a))[1])
         engine = Engine(load_model(name, dtype="bfloat16"), prefill_chunk=32)
         scheduler = Scheduler(engine, threading.RLock(), max_batch=8, start=False)
         params = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.0)
@@ -76,7 +76,7 @@ def test_a_decode_step_takes_every_row_but_capturing_ones(monkeypatch):
         engine.turn(session, random_tokens(20 + i, seed=i), SamplingParams(max_new_tokens=1))  # one token pending
     counts = []
     real = decode_rows.append
-    monkeypatch.setattr(decode_rows, "append", lambda layers, *a: (counts.append(len(layers)), real(layers, *a))[1])
+    monkeypatch.setattr(decode_rows, "append", lambda index, *a: (counts.append(len(index)), real(index, *a))[1])
     engine.decode_step([*plain, evicting], greedy=True)
     assert counts == [3] * engine.model.config.num_hidden_layers
 
@@ -98,6 +98,6 @@ def test_fast_rows_fall_back_to_views_where_the_kernel_cannot_take_them(monkeypa
 
     appended = []
     real = decode_rows.append
-    monkeypatch.setattr(decode_rows, "append", lambda layers, *a: (appended.append(len(layers)), real(layers, *a))[1])
+    monkeypatch.setattr(decode_rows, "append", lambda index, *a: (appended.append(len(index)), real(index, *a))[1])
     assert torch.equal(logits(True), logits(False))
     assert appended == [2] * engine.model.config.num_hidden_layers
