@@ -68,6 +68,11 @@ class BlockRows:
         self._end += n
         return self.keys, self.values
 
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, start: int, end: int) -> None:
+        """Take ``keys`` / ``values`` as the buffers, rows ``[start, end)`` in use and the rows
+        after them free for appends (:func:`fill_prefix`)."""
+        self._k, self._v, self._start, self._end = keys, values, start, end
+
     def _claim_row(self, key_states: torch.Tensor, value_states: torch.Tensor) -> int:
         """:meth:`_append` of one row whose values the caller writes (engine/decode_rows.py):
         room for it (``*_states`` give the shape of a row), counted as in use; its index."""
@@ -255,18 +260,26 @@ def fill_kv(cache: DynamicCache, tensors: list[torch.Tensor], logical_len: int) 
             layer.cumulative_length = logical_len
 
 
-def prefix_kv(cache: DynamicCache, blocks: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[torch.Tensor]:
-    """:func:`export_kv` tensors of the cache a prefill of consecutive blocks of tokens leaves
-    (``blocks``: per block, every layer's ``(keys, values)``): a full layer holds every row, a
-    sliding layer the last ``sliding_window - 1``."""
-    tensors = []
+def fill_prefix(cache: DynamicCache, blocks: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    """Give a new (empty) session cache the rows a prefill of consecutive blocks of tokens
+    leaves (``blocks``: per block, every layer's ``(keys, values)``, ``[1, H_kv, block, D]``):
+    a full layer holds every row, a sliding layer the last ``sliding_window - 1`` (of the
+    blocks that hold them: one concatenation each)."""
+    block = blocks[0][0][0].shape[-2]
+    n = block * len(blocks)
     for i, layer in enumerate(cache.layers):
-        for part in (0, 1):
-            rows = torch.cat([block[i][part] for block in blocks], dim=-2)
-            if isinstance(layer, DynamicSlidingWindowLayer):
-                rows = rows[:, :, -(layer.sliding_window - 1) :].contiguous()
-            tensors.append(rows)
-    return tensors
+        first = 0  # the first block with a row the layer keeps
+        if isinstance(layer, SlidingLayer):
+            first = max(0, n - (layer.sliding_window - 1)) // block
+        buffers = [torch.cat([b[i][part] for b in blocks[first:]], dim=-2) for part in (0, 1)]
+        layer.lazy_initialization(buffers[0], buffers[1])
+        held = n - first * block
+        start = max(0, held - (layer.sliding_window - 1)) if isinstance(layer, SlidingLayer) else 0
+        layer.adopt(buffers[0], buffers[1], start, held)
+        if isinstance(layer, CompressedLayer):
+            layer.logical_len = n
+        else:
+            layer.cumulative_length = n
 
 
 def shares_blocks(cache: DynamicCache) -> bool:

@@ -33,6 +33,7 @@ class Compression:
         job = Prefill(self, session, tokens, timer or Timer())
         while (logits := job.step(self.prefill_chunk)) is None:
             pass
+        job.settle()
         return logits
 
     @torch.inference_mode()

@@ -185,6 +185,7 @@ class Engine(Compression, Decoding, Replay):
                 if turn.prefilling:
                     token = turn.prefill_step(self.prefill_chunk)
                 else:
+                    turn.settle()  # the prompt's compression, once its first token is out
                     token = turn.accept(self.decode_step([turn.session], turn.greedy)[0])
                 if token is not None:
                     yield token

@@ -13,7 +13,7 @@ exactly. In bfloat16 on a CPU no such guarantee exists to keep: oneDNN picks its
 the number of rows in a product, so a row's result already depends, in its last bits, on the
 rows that share its step (docs/BENCHMARKS.md, "Blocks smaller than a 1,024-token chunk"); there a block is
 :data:`FINE_BLOCK` tokens, and a later session starts from all but the last few tokens of a
-shared document (vLLM's blocks are 16), its cache equal to one that prefilled alone within
+shared document (16, vLLM's block), its cache equal to one that prefilled alone within
 the dtype's rounding.
 
 Blocks form a tree per tenant: a block's key digests the tenant, its parent's key and its
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 COUNTERS = ("hits", "misses", "tokens_reused", "bytes_reused", "blocks_added", "evictions")
-FINE_BLOCK = 64  # tokens a block holds where the arithmetic is not bit-exact anyway (bfloat16)
+FINE_BLOCK = 16  # tokens a block holds where the arithmetic is not bit-exact anyway (bfloat16)
 
 
 def block_for(chunk: int, dtype: torch.dtype) -> int:

@@ -9,8 +9,12 @@ Each step (nano-vllm / vLLM style iteration-level scheduling):
              (:meth:`Engine.step`, engine/batch.py): a long document holds the running sessions
              up for one chunk per step, never for its whole prompt, and short prompts (follow-up
              questions) ride in the same forward as the decode rows, not in one of their own
-    sample   each turn samples from its own row; prompts that ended compress their session
+    sample   each turn samples from its own row
     hand out each new token (and its text) goes to the turn's consumer; turns that ended leave
+    settle   a prompt that ended in this step is compressed in the next step's ``rows`` (or as
+             its turn ends): its first token is out before the compression runs; when that
+             next step has prompt chunks, it waits one step more (its second token with it), so
+             that the prompts that arrived meanwhile get their first tokens first
 
 A turn's chunks are cut the same way alone and in a batch (every ``chunk`` tokens from its
 prompt's start), and every row is computed from its own session only, so a session's tokens
@@ -56,6 +60,7 @@ class Job:
         self.error: BaseException | None = None
         self.submitted = time.perf_counter()
         self.queue_s = 0.0  # waiting to join the batch
+        self.held = False  # its prompt's compression waited a step for other prompts (once at most)
         self.ended = threading.Event()
         self.cancelled = threading.Event()
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (token, text delta) | (_END, final delta)
@@ -254,18 +259,29 @@ class Scheduler:
         the budget (the oldest always does), then every decoding turn's pending token."""
         rows, owners, budget = [], [], 0
         for job in [j for j in self._running if j.turn.prefilling]:
-            n = job.turn.next_chunk(self.chunk)
+            if (n := self._call(job, job.turn.next_chunk, self.chunk)) is None:
+                continue  # it failed to start
             if budget and budget + n > self.step_tokens:
                 continue  # a shorter prompt behind it may still fit
             budget += n
             if (row := self._call(job, job.turn.prefill_row, self.chunk)) is not None:
                 rows.append(row)
                 owners.append((job, True))
+        prompts = bool(rows)
         for job in [j for j in self._running if j.turn.decoding and not j.cancelled.is_set()]:
-            if (row := self._call(job, self.engine.decode_row, job.turn.session, job.turn.greedy)) is not None:
+            if prompts and job.turn.unsettled and not job.held:
+                job.held = True  # its compression and second token wait a step: these prompts' first tokens go first
+                continue
+            if (row := self._call(job, self._decode_row, job.turn)) is not None:
                 rows.append(row)
                 owners.append((job, False))
         return rows, owners
+
+    def _decode_row(self, turn: Turn):
+        """``turn``'s next decode row, after its prompt's compression (which runs here, a step
+        after its first token went out, when that step sampled it)."""
+        turn.settle()
+        return self.engine.decode_row(turn.session, turn.greedy)
 
     def _decoded(self, job: Job, row, logits) -> int | None:
         self.engine.after_decode(row)
@@ -291,6 +307,9 @@ class Scheduler:
 
     def _end(self, job: Job) -> None:
         turn = job.turn
+        self._call(job, turn.settle)  # a compression still owed (a turn that ended at its first token)
+        if job.error is not None:
+            return
         report = turn.finish()
         if report is not None:
             report.queue_s = job.queue_s

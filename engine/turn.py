@@ -7,10 +7,16 @@ own: its prompt's chunks and compression, its sampling (temperature, top-p/top-k
 stop strings and token limit, its timings and its mark in the session's log.
 
     prefill_row(chunk)   # while ``prefilling``: the next chunk of the prompt, a row of a packed
-    prefill_done(...)    # step; after the last one it compresses and samples the first token
+    prefill_done(...)    # step; after the last one it samples the first token
+    settle()             # then (once the first token is out) the prompt's compression
     accept(logits)       # after each decode step: sample the next token, or end the turn
     (prefill_step runs one chunk alone)
     finish()             # once, also when cut short: the turn's mark and report
+
+The first token comes from the prompt's last logits, which no compression changes, so it goes
+out before the compression runs: a turn's first-token time is its prefill's, and the
+compression (SnapKV's scoring of every row, 0.1 s on SmolLM2) runs before the session's first
+decode step (:meth:`Turn.settle`, called by whoever drives the turn, and by :meth:`Turn.finish`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 from kvsnap.policies import scored_policy
 
 from .batch import Row
-from .cache import fill_kv, full_layer_indices, prefix_kv
+from .cache import fill_prefix, full_layer_indices
 from .capture import WindowCapture
 from .detok import Detokenizer
 from .prefixes import PrefixCache
@@ -83,6 +89,7 @@ class Prefill:
             scorer = engine.surrogate(scored.surrogate).forward
         self.capture = WindowCapture(self.window, layers, scorer)
         self.done = 0  # tokens of ``new`` on the cache
+        self.settled = False  # the prompt is all on the cache and compressed (:meth:`settle`)
         self.cached = 0  # of them, those a shared prefix gave (engine/prefixes.py)
         self.prefixes = engine.prefixes if self.first_turn and session.prefix_scope is not None else None
         if self.prefixes is not None and scorer is None:  # KVzap scores rows as they pass: it prefills them
@@ -97,7 +104,7 @@ class Prefill:
         if not blocks:
             return
         n = len(blocks) * self.prefixes.block
-        fill_kv(session.cache, prefix_kv(session.cache, [b.rows for b in blocks]), n)
+        fill_prefix(session.cache, [b.rows for b in blocks])
         session.logical_len = self.done = self.cached = n
 
     def _share_blocks(self, n: int) -> None:
@@ -120,15 +127,20 @@ class Prefill:
         return Row(self.session, self.new[self.done : self.done + chunk], self.capture, self.greedy)
 
     def advance(self, n: int, logits: torch.Tensor, elapsed_s: float) -> torch.Tensor | None:
-        """``n`` tokens went onto the cache; after the last ones, compress and return next-token logits [V]."""
+        """``n`` tokens went onto the cache; after the last ones, the next-token logits [V] (the
+        prompt is not compressed yet: :meth:`settle`)."""
         self.done += n
         self.timer.prefill_s += elapsed_s
         if self.prefixes is not None:
             self._share_blocks(n)
-        if self.remaining:
-            return None
-        self.engine.after_prefill(self)
-        return logits
+        return None if self.remaining else logits
+
+    def settle(self) -> None:
+        """Once the whole prompt is on the cache: compress it (the session's policy) and start
+        decode-time eviction. Idempotent; nothing before the prompt's last chunk."""
+        if not self.settled and not self.remaining:
+            self.settled = True
+            self.engine.after_prefill(self)
 
     def step(self, chunk: int) -> torch.Tensor | None:
         """Run the next ``chunk`` tokens alone; after the last ones, the next-token logits [V]."""
@@ -171,9 +183,18 @@ class Turn:
 
     def next_chunk(self, chunk: int) -> int:
         """Tokens the next :meth:`prefill_step` runs (chunks always start at the prompt's start
-        and every ``chunk`` tokens after it: alone or in a batch, the same forward passes)."""
-        remaining = self.prompt_tokens if self.prefill is None else self.prefill.remaining
-        return min(chunk, remaining)
+        and every ``chunk`` tokens after it: alone or in a batch, the same forward passes).
+        Before the turn starts, what the shared prefixes hold of its prompt now is not counted:
+        a later chat on a shared document asks for its last few tokens, and rides in a step
+        beside others (it starts when its row is made, so it finds the blocks of a first chat
+        on the same document that is still prefilling)."""
+        if self.prefill is not None:
+            return min(chunk, self.prefill.remaining)
+        prefixes, session = self.engine.prefixes, self.session
+        shared = 0
+        if prefixes is not None and session.prefix_scope is not None and session.logical_len == 0:
+            shared = min(prefixes.known(session.prefix_scope, session.pending + self.tokens), self.prompt_tokens - 1)
+        return min(chunk, self.prompt_tokens - shared)
 
     def prefill_step(self, chunk: int) -> int | None:
         """Run the next prompt chunk alone; after the last one, the first generated token (None
@@ -194,6 +215,17 @@ class Turn:
         if self.prefill is None:
             self.started = time.perf_counter()
             self.prefill = Prefill(self.engine, self.session, self.tokens, self.timer, self.greedy)
+
+    @property
+    def unsettled(self) -> bool:
+        """Its prompt is all on the cache and not compressed yet (:meth:`settle`)."""
+        return self.prefill is not None and not self.prefill.remaining and not self.prefill.settled
+
+    def settle(self) -> None:
+        """Compress the prompt once it is all on the cache (before the session's next decode
+        step; idempotent): see the module's docstring."""
+        if self.prefill is not None:
+            self.prefill.settle()
 
     def _chunk_done(self, logits: torch.Tensor | None) -> int | None:
         """After a prompt chunk: None until the prompt is done (``logits``), then its first token."""
@@ -230,6 +262,7 @@ class Turn:
         made. A turn cut short keeps every token generated so far. None if it never started."""
         if self.report is not None or self.prefill is None:
             return self.report
+        self.settle()
         self.done = True
         session = self.session
         if self.detok is not None:

@@ -158,8 +158,8 @@ def test_the_block_is_a_chunk_in_float32_and_finer_in_bfloat16():
     from kvsnap.engine.prefixes import FINE_BLOCK, block_for
 
     assert block_for(1024, torch.float32) == 1024  # bit-exact: a chunk
-    assert block_for(1024, torch.bfloat16) == FINE_BLOCK == 64
-    assert block_for(96, torch.bfloat16) == 96  # 64 does not divide it: a chunk
+    assert block_for(1024, torch.bfloat16) == FINE_BLOCK == 16  # vLLM's
+    assert block_for(100, torch.bfloat16) == 100  # 16 does not divide it: a chunk
 
 
 @pytest.mark.parametrize("block", [4, 8])
