@@ -23,6 +23,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingW
 
 from kvsnap.policies import gather_rows
 
+from . import kernels
+
 BLOCK_ROWS = 128  # spare rows a layer's buffer gets when it grows (one copy per this many tokens)
 
 
@@ -260,22 +262,37 @@ def fill_kv(cache: DynamicCache, tensors: list[torch.Tensor], logical_len: int) 
             layer.cumulative_length = logical_len
 
 
-def fill_prefix(cache: DynamicCache, blocks: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+def fill_prefix(
+    cache: DynamicCache, blocks: list[list[tuple[torch.Tensor, torch.Tensor]]], spare: int = 0,
+    addresses: list[bytes] | None = None,
+) -> None:  # fmt: skip
     """Give a new (empty) session cache the rows a prefill of consecutive blocks of tokens
     leaves (``blocks``: per block, every layer's ``(keys, values)``, ``[1, H_kv, block, D]``):
     a full layer holds every row, a sliding layer the last ``sliding_window - 1`` (of the
-    blocks that hold them: one concatenation each)."""
+    blocks that hold them). With the blocks' ``addresses`` (per block, int64s of its parts, as
+    :attr:`~.prefixes.Block.addresses`) and 2-byte rows of one shape, one C call copies them
+    all into buffers with ``spare`` rows free after them (the turn's own tokens then go in
+    place); otherwise one concatenation per layer."""
     block = blocks[0][0][0].shape[-2]
     n = block * len(blocks)
-    for i, layer in enumerate(cache.layers):
-        first = 0  # the first block with a row the layer keeps
-        if isinstance(layer, SlidingLayer):
-            first = max(0, n - (layer.sliding_window - 1)) // block
-        buffers = [torch.cat([b[i][part] for b in blocks[first:]], dim=-2) for part in (0, 1)]
-        layer.lazy_initialization(buffers[0], buffers[1])
+    firsts = [  # per layer, the first block holding a row it keeps
+        max(0, n - (layer.sliding_window - 1)) // block if isinstance(layer, SlidingLayer) else 0
+        for layer in cache.layers
+    ]
+    sample = blocks[0][0][0]
+    uniform = all(t.shape == sample.shape for kv in blocks[0] for t in kv)
+    if addresses is not None and uniform and sample.element_size() == 2 and kernels.kernel() is not None:
+        _, heads, _, dim = sample.shape
+        buffers = [sample.new_empty((1, heads, n - f * block + spare, dim)) for f in firsts for _ in (0, 1)]
+        kernels.gather_blocks(b"".join(addresses), len(blocks), block, buffers, [f for f in firsts for _ in (0, 1)])
+    else:
+        buffers = [torch.cat([b[i][p] for b in blocks[f:]], dim=-2) for i, f in enumerate(firsts) for p in (0, 1)]
+    for i, (layer, first) in enumerate(zip(cache.layers, firsts, strict=True)):
+        keys, values = buffers[2 * i], buffers[2 * i + 1]
+        layer.lazy_initialization(keys, values)
         held = n - first * block
         start = max(0, held - (layer.sliding_window - 1)) if isinstance(layer, SlidingLayer) else 0
-        layer.adopt(buffers[0], buffers[1], start, held)
+        layer.adopt(keys, values, start, held)
         if isinstance(layer, CompressedLayer):
             layer.logical_len = n
         else:

@@ -59,6 +59,7 @@ class Block:
     nbytes: int
     children: int = 0
     route: str | None = None  # for the block that ends on the first ``route_tokens``: root_key's name
+    addresses: bytes = b""  # the rows' addresses, int64s in ``rows``' order (engine/cache.py fill_prefix)
 
 
 def block_key(scope: str, parent: bytes | None, tokens: list[int]) -> bytes:
@@ -145,6 +146,7 @@ class PrefixCache:
                 return False
             route = block_key(scope, None, tokens).hex() if len(tokens) == self.route_tokens else None
             block = Block(keys[-1], keys[-2] if n > 1 else None, scope, rows, nbytes, route=route)
+            block.addresses = array("q", [t.data_ptr() for kv in rows for t in kv]).tobytes()
             self._blocks[block.key] = block
             if parent is not None:
                 parent.children += 1

@@ -30,7 +30,7 @@ import torch
 from kvsnap.policies import scored_policy
 
 from .batch import Row
-from .cache import fill_prefix, full_layer_indices
+from .cache import BLOCK_ROWS, fill_prefix, full_layer_indices
 from .capture import WindowCapture
 from .detok import Detokenizer
 from .prefixes import PrefixCache
@@ -104,7 +104,8 @@ class Prefill:
         if not blocks:
             return
         n = len(blocks) * self.prefixes.block
-        fill_prefix(session.cache, [b.rows for b in blocks])
+        spare = len(self.new) - n + BLOCK_ROWS  # the prompt's own tokens and some answer go in place
+        fill_prefix(session.cache, [b.rows for b in blocks], spare, [b.addresses for b in blocks])
         session.logical_len = self.done = self.cached = n
 
     def _share_blocks(self, n: int) -> None:
