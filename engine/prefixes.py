@@ -93,14 +93,22 @@ class PrefixCache:
         self.nbytes = 0
         self.bytes_by_scope: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()  # COUNTERS
+        self._memo: tuple[str | None, list[int], list[bytes]] = (None, [], [])  # the chain add made last (_keys)
 
     def __len__(self) -> int:
         return len(self._blocks)
 
     def _keys(self, scope: str, tokens: list[int], blocks: int) -> Iterator[bytes]:
-        """The keys of the first ``blocks`` blocks of ``tokens``, made as they are read."""
-        parent = None
-        for j in range(blocks):
+        """The keys of the first ``blocks`` blocks of ``tokens``, made as they are read; those of
+        the chain :meth:`add` made last are taken as they are where ``tokens`` opens with the
+        same blocks (a prefill adds its blocks one by one: each would hash its whole chain)."""
+        memo_scope, memo_tokens, memo_keys = self._memo
+        reuse = min(blocks, len(memo_keys)) if memo_scope == scope else 0
+        if reuse and tokens[: reuse * self.block] != memo_tokens[: reuse * self.block]:
+            reuse = 0
+        yield from memo_keys[:reuse]
+        parent = memo_keys[reuse - 1] if reuse else None
+        for j in range(reuse, blocks):
             parent = block_key(scope, parent, tokens[j * self.block : (j + 1) * self.block])
             yield parent
 
@@ -140,6 +148,7 @@ class PrefixCache:
             raise ValueError(f"a prefix block ends on a multiple of {self.block} tokens, not {len(tokens)}")
         nbytes = sum(t.numel() * t.element_size() for kv in rows for t in kv)
         keys = list(self._keys(scope, tokens, n))
+        self._memo = (scope, tokens[: n * self.block], keys)
         with self._lock:
             parent = self._blocks.get(keys[-2]) if n > 1 else None
             if keys[-1] in self._blocks or (n > 1 and parent is None) or nbytes > self.budget:

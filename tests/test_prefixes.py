@@ -204,3 +204,16 @@ def test_a_block_that_does_not_divide_the_chunk_is_refused(llama_engine):
     assert ServiceConfig(prefill_chunk=1024, prefix_block=64).prefix_block == 64
     with pytest.raises(InvalidArgument, match="prefix_block"):
         Engine(llama_engine.loaded, prefill_chunk=16, prefix_cache_bytes=1 << 20, prefix_block=5)
+
+
+def test_a_chain_added_block_by_block_is_named_as_if_hashed_from_its_root():
+    """``add`` reuses the chain it hashed last where the next prompt opens with the same blocks;
+    the names are those a fresh cache makes, for the same tenant only."""
+    cache, fresh = PrefixCache(block=2, budget_bytes=1 << 20), PrefixCache(block=2, budget_bytes=1 << 20)
+    tokens = random_tokens(12, seed=9)
+    for n in range(2, 13, 2):
+        assert cache.add("t", tokens[:n], rows(n, 16))
+    other = tokens[:5] + [tokens[5] + 1] + tokens[6:]  # the same first two blocks, then not
+    for scope, text in (("t", tokens), ("t", other), ("u", tokens)):
+        assert list(cache._keys(scope, text, 6)) == list(fresh._keys(scope, text, 6))
+    assert cache.known("t", tokens) == 12 and cache.known("t", other) == 4 and cache.known("u", tokens) == 0
