@@ -165,6 +165,7 @@ class Turn:
         self.report: TurnReport | None = None
         self.started = self.decode_started = 0.0
         self.ttft = 0.0
+        self.settle_s = 0.0  # the prompt's compression, run after the first token (settle)
         self.prompt_tokens = len(session.pending) + len(self.tokens)
         self.mark = TurnMark(len(self.tokens), 0, 0, reselected=_has_full_copy(session))
 
@@ -224,9 +225,12 @@ class Turn:
 
     def settle(self) -> None:
         """Compress the prompt once it is all on the cache (before the session's next decode
-        step; idempotent): see the module's docstring."""
-        if self.prefill is not None:
+        step; idempotent): see the module's docstring. Its time is the report's ``compress_s``
+        (and ``reselect_s``), not ``decode_s``, though it runs after the first token."""
+        if self.unsettled:
+            t0 = time.perf_counter()
             self.prefill.settle()
+            self.settle_s = time.perf_counter() - t0
 
     def _chunk_done(self, logits: torch.Tensor | None) -> int | None:
         """After a prompt chunk: None until the prompt is done (``logits``), then its first token."""
@@ -282,7 +286,7 @@ class Turn:
             full_kv_bytes=session.full_kv_bytes,
             prefill_s=self.timer.prefill_s,
             compress_s=self.timer.compress_s,
-            decode_s=time.perf_counter() - self.decode_started if self.decode_started else 0.0,
+            decode_s=time.perf_counter() - self.decode_started - self.settle_s if self.decode_started else 0.0,
             ttft_s=self.ttft,
             reselect_s=self.timer.reselect_s,
             cached_tokens=self.prefill.cached,

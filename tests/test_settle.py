@@ -7,6 +7,7 @@ ends; a compression that fails ends its own turn alone."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -122,3 +123,23 @@ def test_a_prompt_that_arrives_meanwhile_gets_its_first_token_before_an_earlier_
     for job, session, doc in zip((first, second, third), sessions, docs, strict=True):
         alone = engine.turn(engine.new_session(snapkv()), doc, sampling)
         assert list(job) == alone.tokens and kept(session) == {alone.report.kept_len}
+
+
+def test_the_reports_phases_do_not_count_the_compression_twice(llama_engine, monkeypatch):
+    """The compression runs after the first token, inside what was the decode phase: the report
+    gives it to ``compress_s`` alone, so prefill, compression and decode add up to no more than
+    the turn's wall time (a slow compression would otherwise be counted in both)."""
+    engine = llama_engine
+    original = type(engine)._compress
+
+    def slow(self, *args):
+        time.sleep(0.3)
+        return original(self, *args)
+
+    monkeypatch.setattr(type(engine), "_compress", slow)
+    began = time.perf_counter()
+    session, doc = engine.new_session(snapkv()), random_tokens(40, seed=30)
+    report = engine.turn(session, doc, SamplingParams(max_new_tokens=4)).report
+    wall = time.perf_counter() - began
+    assert report.compress_s >= 0.3
+    assert report.prefill_s + report.compress_s + report.decode_s <= wall
