@@ -270,7 +270,7 @@ def fill_prefix(
     leaves (``blocks``: per block, every layer's ``(keys, values)``, ``[1, H_kv, block, D]``):
     a full layer holds every row, a sliding layer the last ``sliding_window - 1`` (of the
     blocks that hold them). With the blocks' ``addresses`` (per block, int64s of its parts, as
-    :attr:`~.prefixes.Block.addresses`) and 2-byte rows of one shape, one C call copies them
+    :attr:`~.prefixes.Block.addresses`) and 2-byte rows of one shape in host memory, one C call copies them
     all into buffers with ``spare`` rows free after them (the turn's own tokens then go in
     place); otherwise one concatenation per layer."""
     block = blocks[0][0][0].shape[-2]
@@ -281,7 +281,8 @@ def fill_prefix(
     ]
     sample = blocks[0][0][0]
     uniform = all(t.shape == sample.shape for kv in blocks[0] for t in kv)
-    if addresses is not None and uniform and sample.element_size() == 2 and kernels.kernel() is not None:
+    host = sample.device.type == "cpu"  # the C copy reads and writes host memory only
+    if addresses is not None and host and uniform and sample.element_size() == 2 and kernels.kernel() is not None:
         _, heads, _, dim = sample.shape
         buffers = [sample.new_empty((1, heads, n - f * block + spare, dim)) for f in firsts for _ in (0, 1)]
         kernels.gather_blocks(b"".join(addresses), len(blocks), block, buffers, [f for f in firsts for _ in (0, 1)])

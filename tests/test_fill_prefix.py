@@ -66,3 +66,20 @@ def test_a_later_chat_answers_the_same_with_either_copy(bf16_sharing, monkeypatc
     assert by_c.tokens == by_cat.tokens
     for ka, kb in zip(export_kv(session_c.cache), export_kv(session_cat.cache), strict=True):
         assert torch.equal(ka, kb)
+
+
+def test_rows_off_the_host_are_concatenated_never_copied_in_c(monkeypatch):
+    """The C copy reads and writes host memory: a GPU's (here: meta) blocks take the concatenation."""
+
+    def never(*args):
+        raise AssertionError("the C copy ran on rows off the host")
+
+    monkeypatch.setattr(kernels, "gather_blocks", never)
+    engine = Engine(load_model("tiny-llama", dtype="bfloat16"), prefill_chunk=16)
+    heads, dim = engine.model.config.num_key_value_heads, engine.model.config.head_dim
+    layers = engine.model.config.num_hidden_layers
+    row = torch.empty(1, heads, 4, dim, dtype=torch.bfloat16, device="meta")
+    blocks = [[(row, row) for _ in range(layers)] for _ in range(3)]
+    cache_ = engine.new_session("full").cache
+    fill_prefix(cache_, blocks, 8, [b"\0" * 16 * layers for _ in blocks])
+    assert all(layer.keys.device.type == "meta" and layer.keys.shape[-2] == 12 for layer in cache_.layers)
