@@ -256,10 +256,16 @@ def fill_kv(cache: DynamicCache, tensors: list[torch.Tensor], logical_len: int) 
         keys, values = tensors[2 * i], tensors[2 * i + 1]
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys, values
-        if isinstance(layer, CompressedLayer):
-            layer.logical_len = logical_len
-        elif isinstance(layer, DynamicSlidingWindowLayer):
-            layer.cumulative_length = logical_len
+        _seen(layer, logical_len)
+
+
+def _seen(layer, logical_len: int) -> None:
+    """A filled layer's count of the tokens it has seen (a compressed layer's logical length, a
+    sliding one's cumulative length)."""
+    if isinstance(layer, CompressedLayer):
+        layer.logical_len = logical_len
+    elif isinstance(layer, DynamicSlidingWindowLayer):
+        layer.cumulative_length = logical_len
 
 
 def fill_prefix(
@@ -294,10 +300,7 @@ def fill_prefix(
         held = n - first * block
         start = max(0, held - (layer.sliding_window - 1)) if isinstance(layer, SlidingLayer) else 0
         layer.adopt(keys, values, start, held)
-        if isinstance(layer, CompressedLayer):
-            layer.logical_len = n
-        else:
-            layer.cumulative_length = n
+        _seen(layer, n)
 
 
 def shares_blocks(cache: DynamicCache) -> bool:

@@ -154,8 +154,8 @@ class PrefixCache:
             if keys[-1] in self._blocks or (n > 1 and parent is None) or nbytes > self.budget:
                 return False
             route = block_key(scope, None, tokens).hex() if len(tokens) == self.route_tokens else None
-            block = Block(keys[-1], keys[-2] if n > 1 else None, scope, rows, nbytes, route=route)
-            block.addresses = array("q", [t.data_ptr() for kv in rows for t in kv]).tobytes()
+            addresses = array("q", [t.data_ptr() for kv in rows for t in kv]).tobytes()
+            block = Block(keys[-1], keys[-2] if n > 1 else None, scope, rows, nbytes, route=route, addresses=addresses)
             self._blocks[block.key] = block
             if parent is not None:
                 parent.children += 1

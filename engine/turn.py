@@ -83,16 +83,15 @@ class Prefill:
         layers = set()
         if self.compress or (self.decoder is not None and self.decoder.needs_attention):
             layers = set(full_layer_indices(session.cache))
-        scored = scored_policy(policy) if self.compress else None
         scorer = None
-        if scored is not None and scored.scored_by == "hidden":  # KVzap: scored as the chunks pass
-            scorer = engine.surrogate(scored.surrogate).forward
+        if self.compress and scored_as_passing(policy):
+            scorer = engine.surrogate(scored_policy(policy).surrogate).forward
         self.capture = WindowCapture(self.window, layers, scorer)
         self.done = 0  # tokens of ``new`` on the cache
         self.settled = False  # the prompt is all on the cache and compressed (:meth:`settle`)
         self.cached = 0  # of them, those a shared prefix gave (engine/prefixes.py)
         self.prefixes = engine.prefixes if self.first_turn and session.prefix_scope is not None else None
-        if self.prefixes is not None and scorer is None:  # KVzap scores rows as they pass: it prefills them
+        if self.prefixes is not None and scorer is None:
             self._start_from_prefix()
 
     def _start_from_prefix(self) -> None:
@@ -194,7 +193,8 @@ class Turn:
             return min(chunk, self.prefill.remaining)
         prefixes, session = self.engine.prefixes, self.session
         shared = 0
-        if prefixes is not None and session.prefix_scope is not None and session.logical_len == 0:
+        starts = session.logical_len == 0 and session.prefix_scope is not None and not scored_as_passing(session.policy)
+        if prefixes is not None and starts:  # what Prefill._start_from_prefix will take
             shared = min(prefixes.known(session.prefix_scope, session.pending + self.tokens), self.prompt_tokens - 1)
         return min(chunk, self.prompt_tokens - shared)
 
@@ -293,6 +293,13 @@ class Turn:
         )
         session.reports.append(self.report)
         return self.report
+
+
+def scored_as_passing(policy) -> bool:
+    """A first turn's rows are scored as its chunks pass (KVzap: a surrogate on the attention
+    input), so it prefills every row and never starts from shared ones."""
+    scored = scored_policy(policy) if policy.compresses_anything else None
+    return scored is not None and scored.scored_by == "hidden"
 
 
 def _has_full_copy(session: Session) -> bool:

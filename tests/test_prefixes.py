@@ -10,6 +10,7 @@ import torch
 from kvsnap.engine import Engine, SamplingParams
 from kvsnap.engine.cache import export_kv
 from kvsnap.engine.prefixes import PrefixCache, root_key
+from kvsnap.engine.turn import Turn
 from kvsnap.policies import make_policy
 
 from .conftest import random_tokens
@@ -217,3 +218,15 @@ def test_a_chain_added_block_by_block_is_named_as_if_hashed_from_its_root():
     for scope, text in (("t", tokens), ("t", other), ("u", tokens)):
         assert list(cache._keys(scope, text, 6)) == list(fresh._keys(scope, text, 6))
     assert cache.known("t", tokens) == 12 and cache.known("t", other) == 4 and cache.known("u", tokens) == 0
+
+
+def test_a_turns_budget_counts_what_its_prefill_will_take_from_the_shared_rows(sharing):
+    """Before it starts, a first turn on a known document asks the step's budget for its own
+    tail only, and a KVzap turn (scored as its chunks pass: it prefills every row) for all of it."""
+    opened(sharing, DOCUMENT + QUESTIONS[0])  # the document's blocks
+    prompt = DOCUMENT + QUESTIONS[1]
+    for policy, want in ((snapkv(), len(prompt) - 48), (make_policy("kvzap", budget=24, window=8), 16)):
+        session = sharing.new_session(policy)
+        session.prefix_scope = "acme"
+        turn = Turn(sharing, session, prompt, GREEDY)  # not started: nothing checked, nothing run
+        assert turn.next_chunk(sharing.prefill_chunk) == want
