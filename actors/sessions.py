@@ -96,6 +96,7 @@ class SessionStore(Loading, Rewinds, Liveness):
         """Give the turn's session back: commit it with the turn's ``messages``, or (None) drop
         what the turn did (its KV is not trusted; a session it was opening is deleted)."""
         key = lease.claim.key
+        lease.claim.end()  # a turn arriving from now on is the next one: it waits, not Conflict
         if messages is not None:
             self.commit(key, lease.entry, lease.session, messages, turn_id, lease.kept)
             return

@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+from kvsnap.actors import claims as claims_module
 from kvsnap.actors.turns import TurnRequest
 from kvsnap.actors.worker import Worker
 from kvsnap.engine import SamplingParams
@@ -157,6 +158,58 @@ def test_a_second_concurrent_turn_is_refused_before_any_model_work(llama_engine,
     after = worker.turn("acme", "busy", QUESTIONS[1], SAMPLING)
     assert after.source == "device"
     assert worker.counters["rebuilds"] == 0 and worker.counters["conflicts"] == 0
+
+
+class _Watched:
+    """A claim table's release condition that says when a turn starts waiting on it."""
+
+    def __init__(self, condition: threading.Condition):
+        self.condition, self.waiting = condition, threading.Event()
+
+    def wait(self, timeout: float) -> bool:
+        self.waiting.set()
+        return self.condition.wait(timeout)
+
+    def notify_all(self) -> None:
+        self.condition.notify_all()
+
+
+def test_a_turn_sent_once_the_last_one_shows_committed_waits_for_its_claim(llama_engine, directory_factory):
+    """The reliability client's order: it sees turns + 1 in the session's state and sends the
+    next turn while the last one's bookkeeping (after the commit) still holds the claim."""
+    worker = make_worker(llama_engine, directory_factory(), "w1")
+    worker.open("acme", "next", DOCUMENT, make_policy("full"), sampling=SAMPLING)
+    committed, go, outcome = threading.Event(), threading.Event(), {}
+    commit, claims = worker.sessions.commit, worker.sessions.claims
+    claims.released = watched = _Watched(claims.released)
+
+    def held_commit(*args, **kwargs):  # the commit is visible; the claim is still held
+        commit(*args, **kwargs)
+        committed.set()
+        go.wait(30)
+
+    worker.sessions.commit = held_commit
+    first = threading.Thread(target=lambda: outcome.update(first=worker.turn("acme", "next", QUESTIONS[0], SAMPLING)))
+    first.start()
+    assert committed.wait(60) and worker.state("acme", "next").turns == 2
+    second = threading.Thread(target=lambda: outcome.update(second=worker.turn("acme", "next", QUESTIONS[1], SAMPLING)))
+    second.start()
+    assert watched.waiting.wait(30)  # waiting for the release, not refused
+    go.set()
+    first.join(60), second.join(60)
+    assert len(outcome["second"].tokens) == SAMPLING.max_new_tokens and outcome["second"].source == "device"
+    assert worker.state("acme", "next").turns == 3 and worker.counters["conflicts"] == 0
+
+
+def test_an_ended_turn_that_never_releases_its_claim_refuses_the_next_after_the_bound(monkeypatch):
+    monkeypatch.setattr(claims_module, "ENDING_WAIT_S", 0.05)
+    table = claims_module.Claims()
+    with table.claimed("acme/s") as claim, claim:
+        claim.end()
+        with pytest.raises(Conflict, match="in progress"), table.claimed("acme/s"):
+            pass
+    with table.claimed("acme/s") as claim, claim:  # released: the next one takes it
+        assert not claim.ending
 
 
 def test_a_turn_from_another_thread_is_refused_while_one_runs(llama_engine, directory_factory):
