@@ -30,7 +30,7 @@ from ray import serve
 
 from kvsnap.actors.turns import TurnRequest
 from kvsnap.actors.worker import Worker
-from kvsnap.engine import Engine, chunk_kernel, kernels, load_model
+from kvsnap.engine import Engine, block_copy, chunk_kernel, kernels, load_model
 from kvsnap.errors import NotFound
 from kvsnap.policies.kivi import parse_kivi
 from kvsnap.service.config import ServiceConfig
@@ -127,8 +127,11 @@ class WorkerReplica:
         self.ongoing = 0
         pid = os.getpid()
         # bf16 on a CPU: decode rows take the C kernel when it builds here (engine/kernels.py),
-        # prompt chunks the AMX one where the CPU has AMX (engine/chunk_kernel.py); built now, not mid-step
+        # prompt chunks the AMX one where the CPU has AMX (engine/chunk_kernel.py), shared prefix
+        # blocks the C copies (engine/block_copy.py); built now, not mid-step
         own = loaded.dtype == torch.bfloat16 and loaded.device.type == "cpu"
+        if own and engine.prefixes is not None:
+            block_copy.kernel()
         kinds = (("one-token", kernels.kernel), ("AMX chunk", chunk_kernel.kernel))
         found = [name for name, built in kinds if own and built() is not None]
         attention = " and ".join(found) + " attention kernels" if found else "torch attention"

@@ -23,7 +23,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingW
 
 from kvsnap.policies import gather_rows
 
-from . import kernels
+from . import block_copy
+from .prefixes import Block
 
 BLOCK_ROWS = 128  # spare rows a layer's buffer gets when it grows (one copy per this many tokens)
 
@@ -96,15 +97,13 @@ class BlockRows:
         self._k, self._v = buffers
         self._start, self._end = 0, used
 
-    def written(self, n: int, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of ``count`` rows (all ``n`` by default) from the ``n``-th last row appended on,
-        read right after their append (a sliding layer's window may no longer show them all, but
-        its buffer still holds them)."""
-        count = n if count is None else count
-        if self._k is None or n > self._end or not 0 < count <= n:
-            raise ValueError(f"the layer holds {self._end} rows, not {count} of the last {n}")
+    def appended(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the last ``n`` rows appended, read right after their append (a sliding
+        layer's window may no longer show them all, but its buffer still holds them)."""
+        if self._k is None or not 0 < n <= self._end:
+            raise ValueError(f"the layer holds {self._end} rows, not the last {n}")
         first = self._end - n
-        return self._k[:, :, first : first + count].clone(), self._v[:, :, first : first + count].clone()
+        return self._k[:, :, first : self._end], self._v[:, :, first : self._end]
 
     def exact(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows in use as tensors of their own (no spare capacity: what a tier stores)."""
@@ -268,32 +267,29 @@ def _seen(layer, logical_len: int) -> None:
         layer.cumulative_length = logical_len
 
 
-def fill_prefix(
-    cache: DynamicCache, blocks: list[list[tuple[torch.Tensor, torch.Tensor]]], spare: int = 0,
-    addresses: list[bytes] | None = None,
-) -> None:  # fmt: skip
-    """Give a new (empty) session cache the rows a prefill of consecutive blocks of tokens
-    leaves (``blocks``: per block, every layer's ``(keys, values)``, ``[1, H_kv, block, D]``):
-    a full layer holds every row, a sliding layer the last ``sliding_window - 1`` (of the
-    blocks that hold them). With the blocks' ``addresses`` (per block, int64s of its parts, as
-    :attr:`~.prefixes.Block.addresses`) and 2-byte rows of one shape in host memory, one C call copies them
-    all into buffers with ``spare`` rows free after them (the turn's own tokens then go in
-    place); otherwise one concatenation per layer."""
-    block = blocks[0][0][0].shape[-2]
+def fill_prefix(cache: DynamicCache, blocks: list[Block], spare: int = 0) -> None:
+    """Give a new (empty) session cache the rows a prefill of consecutive shared prefix
+    ``blocks`` leaves: a full layer holds every row, a sliding layer the last
+    ``sliding_window - 1`` (of the blocks that hold them). Where the C copy takes them (2-byte
+    rows of one shape in host memory), one call copies them all, by the blocks' addresses, into
+    buffers with ``spare`` rows free after them (the turn's own tokens then go in place);
+    otherwise one concatenation per layer."""
+    sample_rows = blocks[0].rows
+    sample = sample_rows[0][0]
+    block = sample.shape[-2]
     n = block * len(blocks)
     firsts = [  # per layer, the first block holding a row it keeps
         max(0, n - (layer.sliding_window - 1)) // block if isinstance(layer, SlidingLayer) else 0
         for layer in cache.layers
     ]
-    sample = blocks[0][0][0]
-    uniform = all(t.shape == sample.shape for kv in blocks[0] for t in kv)
-    host = sample.device.type == "cpu"  # the C copy reads and writes host memory only
-    if addresses is not None and host and uniform and sample.element_size() == 2 and kernels.kernel() is not None:
+    if block_copy.takes([t for kv in sample_rows for t in kv]):  # one C call
         _, heads, _, dim = sample.shape
         buffers = [sample.new_empty((1, heads, n - f * block + spare, dim)) for f in firsts for _ in (0, 1)]
-        kernels.gather_blocks(b"".join(addresses), len(blocks), block, buffers, [f for f in firsts for _ in (0, 1)])
+        addresses = b"".join(b.addresses for b in blocks)
+        block_copy.gather_blocks(addresses, len(blocks), block, buffers, [f for f in firsts for _ in (0, 1)])
     else:
-        buffers = [torch.cat([b[i][p] for b in blocks[f:]], dim=-2) for i, f in enumerate(firsts) for p in (0, 1)]
+        rows = [b.rows for b in blocks]
+        buffers = [torch.cat([b[i][p] for b in rows[f:]], dim=-2) for i, f in enumerate(firsts) for p in (0, 1)]
     for i, (layer, first) in enumerate(zip(cache.layers, firsts, strict=True)):
         keys, values = buffers[2 * i], buffers[2 * i + 1]
         layer.lazy_initialization(keys, values)
@@ -301,6 +297,22 @@ def fill_prefix(
         start = max(0, held - (layer.sliding_window - 1)) if isinstance(layer, SlidingLayer) else 0
         layer.adopt(keys, values, start, held)
         _seen(layer, n)
+
+
+def blocks_written(cache: DynamicCache, n: int, block: int) -> list:
+    """Copies of the whole blocks of ``block`` rows that open the last ``n`` rows appended to
+    every layer (a prompt chunk's, read right after it ran), each as a shared prefix block's
+    data (:class:`~.prefixes.Block`). Where the C copy takes them (2-byte rows of one shape in
+    host memory): one call, and per block one tensor ``[2 * layers, 1, H_kv, block, D]`` (its
+    own allocation, so a block evicted alone frees its memory). Otherwise a copy per layer and
+    block: per block, every layer's ``(keys, values)``."""
+    whole = n // block * block
+    views = [tuple(t[:, :, :whole] for t in layer.appended(n)) for layer in cache.layers]
+    parts = [t for kv in views for t in kv]
+    if block_copy.takes(parts):
+        return block_copy.scatter_blocks(parts, block)
+    cut = [(j * block, (j + 1) * block) for j in range(whole // block)]
+    return [[(k[:, :, a:b].clone(), v[:, :, a:b].clone()) for k, v in views] for a, b in cut]
 
 
 def shares_blocks(cache: DynamicCache) -> bool:

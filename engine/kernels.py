@@ -14,11 +14,6 @@ copy torch already loaded, so the model thread's team runs it: no second thread 
 head's blocks are joined in their order, so a row's result depends neither on the rows that
 share the call nor on the thread count (tests/test_one_token_attention.py).
 
-The same library copies the rows of a shared prefix's blocks into a new session's buffers
-(:func:`gather_blocks`, for engine/cache.py's ``fill_prefix``: one call, the parts spread
-over the same threads, instead of a concatenation per layer and a second copy when the
-turn's own rows are appended).
-
 The source is compiled on first use (engine/cbuild.py). Without a compiler (or with
 ``KVSNAP_C_KERNELS=0``) :func:`kernel` is None and the torch path runs.
 """
@@ -219,20 +214,6 @@ void append_rows(int R, int Hkv, int D, const uint16_t *ks, long hk, long tk, co
             memcpy(vd[r] + h * vhs[r], vs + h * hv + cols[r] * tv, sizeof(uint16_t) * D);
         }
 }
-
-/* Consecutive blocks of a shared prefix into a new session's buffers (engine/cache.py
-   fill_prefix): part p (a layer's keys or values) takes blocks first[p] .. B-1, block b's part
-   at src[b * P + p] ([Hkv, T, D] values, contiguous), to rows (b - first[p]) * T on of its
-   buffer dst[p] ([Hkv, cap[p], D]). */
-void gather_blocks(long B, long P, long T, long Hkv, long D, const long *src, uint16_t **dst, const long *first,
-                   const long *cap, int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long p = 0; p < P; p++)
-        for (long b = first[p]; b < B; b++)
-            for (long h = 0; h < Hkv; h++)
-                memcpy(dst[p] + (h * cap[p] + (b - first[p]) * T) * D, (const uint16_t *)src[b * P + p] + h * T * D,
-                       sizeof(uint16_t) * T * D);
-}
 """
 
 
@@ -250,31 +231,7 @@ def kernel() -> ctypes.CDLL | None:
         lib.append_rows.restype = None
         lib.append_rows.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] * 2
         lib.append_rows.argtypes += [ctypes.c_void_p] * 5
-        lib.gather_blocks.restype = None
-        lib.gather_blocks.argtypes = [ctypes.c_long] * 5 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
     return lib
-
-
-def gather_blocks(addresses: bytes, blocks: int, rows: int, buffers: list[torch.Tensor], first: list[int]) -> None:
-    """Copy ``blocks`` consecutive blocks of ``rows`` rows into ``buffers`` (per part, a layer's
-    keys or values: ``[1, H_kv, capacity, D]`` of 2-byte values, same H_kv and D for all), part
-    p from block ``first[p]`` on. ``addresses``: per block, its parts' addresses (int64 each,
-    parts in the buffers' order), each ``[1, H_kv, rows, D]`` contiguous."""
-    parts = len(buffers)
-    _, heads, _, dim = buffers[0].shape
-    longs = ctypes.c_long * parts
-    kernel().gather_blocks(
-        blocks,
-        parts,
-        rows,
-        heads,
-        dim,
-        (ctypes.c_long * (blocks * parts)).from_buffer_copy(addresses),
-        (ctypes.c_void_p * parts)(*(t.data_ptr() for t in buffers)),
-        longs(*first),
-        longs(*(t.shape[-2] for t in buffers)),
-        torch.get_num_threads(),  # the calling thread's team, parts split over it
-    )
 
 
 def fits(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:

@@ -49,17 +49,40 @@ def block_for(chunk: int, dtype: torch.dtype) -> int:
 
 @dataclass(slots=True, eq=False)
 class Block:
-    """One chunk of a shared prefix: its rows of every layer, ``(keys, values)`` each
-    ``[1, H_kv, block, D]``."""
+    """One block of a shared prefix: its rows of every layer. ``data``: per layer ``(keys,
+    values)``, each ``[1, H_kv, block, D]``; or one tensor ``[2 * layers, 1, H_kv, block, D]``
+    holding them in that order (one allocation: engine/block_copy.py), read as :attr:`rows`."""
 
     key: bytes
     parent: bytes | None
     scope: str
-    rows: list[tuple[torch.Tensor, torch.Tensor]]
-    nbytes: int
+    data: list[tuple[torch.Tensor, torch.Tensor]] | torch.Tensor
+    nbytes: int = 0
     children: int = 0
     route: str | None = None  # for the block that ends on the first ``route_tokens``: root_key's name
     addresses: bytes = b""  # the rows' addresses, int64s in ``rows``' order (engine/cache.py fill_prefix)
+    _rows: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data, torch.Tensor):  # parts a stride apart in one allocation
+            size, step = self.data.element_size(), self.data.stride(0) * self.data.element_size()
+            self.nbytes = self.data.numel() * size
+            base = self.data.data_ptr()
+            self.addresses = array("q", range(base, base + len(self.data) * step, step)).tobytes()
+        else:
+            self.nbytes = sum(t.numel() * t.element_size() for kv in self.data for t in kv)
+            self.addresses = array("q", [t.data_ptr() for kv in self.data for t in kv]).tobytes()
+
+    @property
+    def rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer ``(keys, values)``, ``[1, H_kv, block, D]`` (views of :attr:`data`)."""
+        if self._rows is None:
+            if isinstance(self.data, torch.Tensor):
+                parts = self.data.unbind(0)
+                self._rows = list(zip(parts[0::2], parts[1::2], strict=True))
+            else:
+                self._rows = self.data
+        return self._rows
 
 
 def block_key(scope: str, parent: bytes | None, tokens: list[int]) -> bytes:
@@ -139,32 +162,46 @@ class PrefixCache:
                 n += self.block
         return n
 
-    def add(self, scope: str, tokens: list[int], rows: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    def add(self, scope: str, tokens: list[int], rows: list[tuple[torch.Tensor, torch.Tensor]] | torch.Tensor) -> bool:
         """Hold ``rows`` (every layer's, of the last block of ``tokens``, whose length is a whole
-        number of blocks; the caller's own copies) as that block. False when it is known already,
-        its parent is not (evicted meanwhile), or it does not fit the budget."""
+        number of blocks; the caller's own copies; as :attr:`Block.data`) as that block. False
+        when it is known already, its parent is not (evicted meanwhile), or it does not fit."""
+        return self.add_chain(scope, tokens, [rows]) == 1
+
+    def add_chain(self, scope: str, tokens: list[int], blocks: list) -> int:
+        """Hold the last ``len(blocks)`` blocks of ``tokens`` (each as :meth:`add`'s ``rows``),
+        as a prefill's chunk makes them: those known already are skipped, and the chain stops at
+        a block whose parent is not held or that does not fit the budget. The path is touched
+        and the budget kept once, after all. How many of them were added and are held."""
         n = len(tokens) // self.block
-        if n < 1 or len(tokens) % self.block:
+        if n < max(1, len(blocks)) or len(tokens) % self.block:
             raise ValueError(f"a prefix block ends on a multiple of {self.block} tokens, not {len(tokens)}")
-        nbytes = sum(t.numel() * t.element_size() for kv in rows for t in kv)
         keys = list(self._keys(scope, tokens, n))
         self._memo = (scope, tokens[: n * self.block], keys)
+        added: list[Block] = []
         with self._lock:
-            parent = self._blocks.get(keys[-2]) if n > 1 else None
-            if keys[-1] in self._blocks or (n > 1 and parent is None) or nbytes > self.budget:
-                return False
-            route = block_key(scope, None, tokens).hex() if len(tokens) == self.route_tokens else None
-            addresses = array("q", [t.data_ptr() for kv in rows for t in kv]).tobytes()
-            block = Block(keys[-1], keys[-2] if n > 1 else None, scope, rows, nbytes, route=route, addresses=addresses)
-            self._blocks[block.key] = block
-            if parent is not None:
-                parent.children += 1
-            self.nbytes += nbytes
-            self.bytes_by_scope[scope] += nbytes
-            self.counters["blocks_added"] += 1
-            self._touch(self._path(block))
+            for i, data in enumerate(blocks, start=n - len(blocks)):
+                parent_key = keys[i - 1] if i else None
+                parent = self._blocks.get(parent_key) if i else None
+                if keys[i] in self._blocks:
+                    continue
+                block = Block(keys[i], parent_key, scope, data)
+                if (i and parent is None) or block.nbytes > self.budget:
+                    break
+                if (i + 1) * self.block == self.route_tokens:
+                    block.route = block_key(scope, None, tokens[: self.route_tokens]).hex()
+                self._blocks[block.key] = block
+                if parent is not None:
+                    parent.children += 1
+                self.nbytes += block.nbytes
+                self.bytes_by_scope[scope] += block.nbytes
+                self.counters["blocks_added"] += 1
+                added.append(block)
+            if not added:
+                return 0
+            self._touch(self._path(added[-1]))
             self._evict()
-            return block.key in self._blocks
+            return sum(block.key in self._blocks for block in added)
 
     def _path(self, block: Block) -> list[Block]:
         """``block`` and its ancestors, root first."""

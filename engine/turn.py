@@ -30,7 +30,7 @@ import torch
 from kvsnap.policies import scored_policy
 
 from .batch import Row
-from .cache import BLOCK_ROWS, fill_prefix, full_layer_indices
+from .cache import BLOCK_ROWS, blocks_written, fill_prefix, full_layer_indices
 from .capture import WindowCapture
 from .detok import Detokenizer
 from .prefixes import PrefixCache
@@ -104,7 +104,7 @@ class Prefill:
             return
         n = len(blocks) * self.prefixes.block
         spare = len(self.new) - n + BLOCK_ROWS  # the prompt's own tokens and some answer go in place
-        fill_prefix(session.cache, [b.rows for b in blocks], spare, [b.addresses for b in blocks])
+        fill_prefix(session.cache, blocks, spare)
         session.logical_len = self.done = self.cached = n
 
     def _share_blocks(self, n: int) -> None:
@@ -112,11 +112,10 @@ class Prefill:
         the prefix cache keeps a copy of their rows for the tenant's next sessions (a chunk starts
         on a block: a prompt starts at 0 or on a shared prefix's end, and a chunk is whole blocks)."""
         block, start = self.prefixes.block, self.done - n
-        if start % block:
+        if start % block or n < block:
             return
-        for first in range(0, n - block + 1, block):  # each block's first row, from the chunk's start
-            rows = [layer.written(n - first, block) for layer in self.session.cache.layers]
-            self.prefixes.add(self.session.prefix_scope, self.new[: start + first + block], rows)
+        blocks = blocks_written(self.session.cache, n, block)
+        self.prefixes.add_chain(self.session.prefix_scope, self.new[: start + len(blocks) * block], blocks)
 
     @property
     def remaining(self) -> int:

@@ -230,3 +230,22 @@ def test_a_turns_budget_counts_what_its_prefill_will_take_from_the_shared_rows(s
         session.prefix_scope = "acme"
         turn = Turn(sharing, session, prompt, GREEDY)  # not started: nothing checked, nothing run
         assert turn.next_chunk(sharing.prefill_chunk) == want
+
+
+def test_a_chunk_adds_its_blocks_as_one_chain():
+    """``add_chain`` (a prefill chunk's blocks at once): the blocks ``add`` would make one by one,
+    known ones skipped, a chain stopped where its parent is missing, and over the budget the
+    chain's deepest blocks go first (its longest prefix that fits stays)."""
+    one_by_one, chained = PrefixCache(block=2, budget_bytes=1 << 20), PrefixCache(block=2, budget_bytes=1 << 20)
+    tokens = random_tokens(8, seed=3)
+    for n in range(2, 9, 2):
+        one_by_one.add("t", tokens[:n], rows(n, 16))
+    assert chained.add_chain("t", tokens[:4], [rows(2, 16), rows(4, 16)]) == 2
+    assert chained.add_chain("t", tokens, [rows(4, 16), rows(6, 16), rows(8, 16)]) == 2  # the first is known
+    assert list(chained._blocks) == list(one_by_one._blocks) and chained.nbytes == one_by_one.nbytes
+    assert chained.add_chain("t", [9, 9] + tokens[2:], [rows(0, 16), rows(0, 16)]) == 0  # no parent held
+    small = PrefixCache(block=2, budget_bytes=2 * 32)
+    assert small.add_chain("t", tokens[:6], [rows(2, 16), rows(4, 16), rows(6, 16)]) == 2
+    assert small.known("t", tokens) == 4 and small.stats()["evictions"] == 1
+    with pytest.raises(ValueError):
+        small.add_chain("t", tokens[:2], [rows(1, 16), rows(2, 16)])  # more blocks than the tokens hold
