@@ -20,6 +20,7 @@ between two of the scheduler's steps.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -135,6 +136,8 @@ class Worker:
             job = self.scheduler.submit(self.engine.start(session, tokens[:n], None))
             for _ in job:  # raises the turn's error, if any
                 pass
+            with contextlib.suppress(Unavailable):  # a hint: the heartbeat reports it again
+                self.publish_prefixes()
         return prefixes.known(tenant, tokens[:n])
 
     def _new(self, req: TurnRequest) -> Session:
@@ -200,8 +203,15 @@ class Worker:
 
     # -- liveness and drains -------------------------------------------------------------
     def heartbeat(self) -> None:
-        """Refresh this worker's heartbeat; re-register held sessions Redis lost or missed."""
+        """Refresh this worker's heartbeat; re-register held sessions Redis lost or missed;
+        report the shared prefixes held (store/prefix_holders.py)."""
         self.sessions.heartbeat(load=self.stats)
+        self.publish_prefixes()
+
+    def publish_prefixes(self) -> None:
+        """Tell the directory which shared prefixes this worker holds (the router reads it)."""
+        if self.engine.prefixes is not None:
+            self.sessions.directory.publish_prefixes(self.worker_id, self.engine.prefixes.roots())
 
     def start_heartbeat(self, interval_s: float = 2.0) -> threading.Thread:
         def loop():

@@ -12,9 +12,12 @@ counted by the worker). ``session_id = "worker:<id>"`` addresses one replica
 
 A new session whose prompt holds a whole prefill chunk comes tagged
 ``"<tenant>/<session>#<first block>"`` (service/api.py): the replicas that hold that block
-as a shared prefix (engine/prefixes.py; each replica lists its first blocks in its routing
-stats) or that this router last sent a session with it to (stats lag by a second) come
-first, least loaded first, unless overloaded or draining; the others follow by load.
+as a shared prefix come first, least loaded first, unless overloaded or draining; the others
+follow by load. A replica holds it by the directory in Redis (store/prefix_holders.py: each
+worker reports its shared prefixes with its heartbeat and after prefilling a registered
+document; read in the same round trip budget as the owner), by its routing stats (engine/
+prefixes.py roots; they lag by a second), or because this router last sent a session with
+it there.
 
 When Redis does not answer in time (a busy machine: the lookup runs on the ingress's event
 loop), the router sends the turn where it last saw the session go: the owner Redis last
@@ -33,6 +36,7 @@ import redis.asyncio as aioredis
 from ray.serve.request_router import RequestRouter
 
 from kvsnap.store.directory import owner_of
+from kvsnap.store.prefix_holders import holders_of
 
 log = logging.getLogger(__name__)
 PLACEMENT_MEMORY_S = 2.0  # > the routing-stats period (1 s)
@@ -43,7 +47,13 @@ class AffinityRouter(RequestRouter):
     # No FIFOMixin: FIFO would hand the replica chosen for one session's turn to whichever
     # request is oldest. The base class fulfils exactly the request that was routed.
     def initialize_state(
-        self, redis_url: str = "", prefix: str = "kvsnap", overload_queue_len: int = 8, affinity: bool = True, **_
+        self,
+        redis_url: str = "",
+        prefix: str = "kvsnap",
+        overload_queue_len: int = 8,
+        affinity: bool = True,
+        holder_ttl_s: int = 10,
+        **_,
     ):
         self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=5.0, socket_connect_timeout=2.0)
         # Last owner seen per session (read from Redis, or where this router routed the session's
@@ -56,6 +66,7 @@ class AffinityRouter(RequestRouter):
         # Routing stats lag by up to a second: sessions placed since then count as load too.
         self._placed: dict[str, deque[float]] = {}
         self._roots: OrderedDict[str, str] = OrderedDict()  # a shared prefix's first block -> last replica sent
+        self.holder_ttl_s = holder_ttl_s  # a worker's report of a shared prefix holds this long (its heartbeat TTL)
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         if pending_request is None or not candidate_replicas:
@@ -84,7 +95,8 @@ class AffinityRouter(RequestRouter):
         random.shuffle(live)  # equal loads: no replica is always first
         ranked = sorted(live, key=self._load(live))
         if root:  # a new session on a shared prefix: its holders first
-            ranked.sort(key=lambda r: not self._holds(r, root) or self._unfit(r))  # stable: by load within
+            holders = await self._holders(root)
+            ranked.sort(key=lambda r: not self._holds(r, root, holders) or self._unfit(r))  # stable: by load within
         return [[r] for r in ranked] or [candidate_replicas]
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
@@ -96,11 +108,22 @@ class AffinityRouter(RequestRouter):
         if getattr(pending_request.routing_context, "placing", False):
             self._placed.setdefault(replica_id.unique_id, deque()).append(time.monotonic())
 
-    def _holds(self, replica, root: str) -> bool:
-        """Whether ``replica`` holds the shared prefix whose first block is ``root``, by its last
-        report or by where this router last sent a session with it."""
+    def _holds(self, replica, root: str, holders: set[str]) -> bool:
+        """Whether ``replica`` holds the shared prefix whose first block is ``root``: by the
+        directory's ``holders``, its last routing stats, or where this router last sent a session with it."""
         rid = replica.replica_id.unique_id
-        return self._roots.get(root) == rid or root in ((replica.routing_stats or {}).get("prefix_roots") or ())
+        if rid in holders or self._roots.get(root) == rid:
+            return True
+        return root in ((replica.routing_stats or {}).get("prefix_roots") or ())
+
+    async def _holders(self, root: str) -> set[str]:
+        """The workers the directory names as holding ``root`` (none when Redis does not answer:
+        the stats and this router's memory still route)."""
+        try:
+            return await holders_of(self.redis, self.prefix, root, self.holder_ttl_s)
+        except Exception as exc:
+            log.warning("affinity router: prefix holders lookup failed (%s)", exc)
+            return set()
 
     async def _owner(self, key: str) -> str:
         tenant, _, session_id = key.partition("/")

@@ -31,6 +31,7 @@ from kvsnap.errors import Conflict, InvalidArgument, NotFound, Unavailable
 
 from . import scripts
 from .conversations import ConversationIndex
+from .prefix_holders import PrefixHolders
 from .records import SessionEntry, check_id, pack_marks, pack_messages, pack_tokens, session_key, unpack_tokens
 
 __all__ = ["SessionDirectory", "SessionEntry", "check_id", "owner_of", "session_key"]
@@ -43,7 +44,7 @@ async def owner_of(aclient, prefix: str, tenant: str, session_id: str) -> str:
     return owner.decode() if owner else ""
 
 
-class SessionDirectory(ConversationIndex):
+class SessionDirectory(ConversationIndex, PrefixHolders):
     def __init__(
         self,
         url: str,
