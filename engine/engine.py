@@ -136,7 +136,7 @@ class Engine(Compression, Decoding, Replay):
             if not getattr(module, "_kvsnap_hooked", False):  # one hook per module: engines may share a model
                 module.register_forward_pre_hook(hidden_hook, with_kwargs=True)
                 module._kvsnap_hooked = True
-        self._span_ends: torch.Tensor | None = None  # engine/spans.py, built when a policy first needs it
+        self._span_ends: bytes | None = None  # engine/spans.py, built when a policy first needs it
         self.surrogates: dict[str, Surrogate] = {}  # KVzap's, by kind, loaded when first asked for
         self.repeat_ids = self.encode(REPEAT_PROMPT, first=False)  # what KVzip+'s scratch pass asks first
 

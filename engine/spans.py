@@ -19,35 +19,36 @@ MAX_SPAN = 48
 ENDS = (".", "!", "?", ";", "\n")
 
 
-def span_ends(tokenizer, vocab_size: int) -> torch.Tensor:
-    """``[vocab_size]`` bool: True for a token after which a span ends."""
+def span_ends(tokenizer, vocab_size: int) -> bytes:
+    """One byte a token id (``vocab_size`` of them): 1 for a token after which a span ends. A
+    byte string, not a tensor: :func:`span_ids` reads it once a token, in a Python loop."""
     known = min(vocab_size, len(tokenizer)) if hasattr(tokenizer, "__len__") else vocab_size
     ids = list(range(known))
     if hasattr(tokenizer, "batch_decode"):
         texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
     else:  # the tiny presets' byte tokenizer
         texts = [tokenizer.decode([i]) for i in ids]
-    ends = torch.zeros(vocab_size, dtype=torch.bool)
-    ends[:known] = torch.tensor([any(c in text for c in ENDS) for text in texts], dtype=torch.bool)
+    ends = bytearray(vocab_size)
+    ends[:known] = bytes(any(c in text for c in ENDS) for text in texts)
     for special in getattr(tokenizer, "all_special_ids", None) or ():
         if 0 <= special < vocab_size:
-            ends[special] = True
-    return ends
+            ends[special] = 1
+    return bytes(ends)
 
 
-def span_ids(ends: torch.Tensor, tokens: list[int], first: int = 0) -> torch.Tensor:
+def span_ids(ends: bytes, tokens: list[int], first: int = 0) -> torch.Tensor:
     """Ascending span ids ``[len(tokens)]`` of ``tokens`` (the first one ``first``): a new span
     starts after a token ``ends`` marks and after ``MAX_SPAN`` tokens of one span."""
-    out, span, run = [], first, 0
+    out, span, run, known = [], first, 0, len(ends)
     for token in tokens:
         out.append(span)
         run += 1
-        if run == MAX_SPAN or (0 <= token < len(ends) and ends[token]):
+        if run == MAX_SPAN or (0 <= token < known and ends[token]):
             span, run = span + 1, 0
     return torch.tensor(out, dtype=torch.long)
 
 
-def layer_spans(ends: torch.Tensor, old_rows: int, new_tokens: list[int]) -> torch.Tensor:
+def layer_spans(ends: bytes, old_rows: int, new_tokens: list[int]) -> torch.Tensor:
     """Spans of a layer's rows ``[old_rows + len(new_tokens)]``: rows kept from earlier turns
     (whose positions differ per head) are spans of one row each; this turn's rows by sentence."""
     return torch.cat([torch.arange(old_rows), span_ids(ends, new_tokens, first=old_rows)])
