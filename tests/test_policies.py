@@ -217,3 +217,27 @@ def test_window_attention_is_each_query_heads_causal_softmax():
     logits[..., 35:] = logits[..., 35:].masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
     want = logits.softmax(-1).view(1, 2, 3, 5, 40)
     assert got.shape == want.shape and torch.allclose(got.double(), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [0.125, 1 / math.sqrt(80)])
+def test_window_attention_and_a_selection_are_those_of_the_plain_operators_bit_for_bit(scale):
+    """A power-of-two scale goes on the queries (every product and sum scales exactly), another
+    one on the logits; a CPU selection comes in order from a mask instead of a sort: the same
+    logits, scores and rows, bit for bit, as the plain products, scaling and sort."""
+    from kvsnap.policies.base import span_best, window_attention
+
+    gen = torch.Generator().manual_seed(8)
+    policy = make_policy("snapkv", ratio=0.75, window=8, kernel=3, spans=True)
+    for trial in range(6):
+        q = (torch.randn(1, 9, 8, 64, generator=gen) * (1 + trial)).bfloat16()
+        keys = torch.randn(1, 3, 300, 64, generator=gen).bfloat16()[:, :, :290]  # a view, as a cache's rows
+        logits = torch.matmul(q.float().reshape(1, 3, 24, 64), keys.float().transpose(-1, -2))
+        logits = logits.view(1, 3, 3, 8, 290) * scale
+        logits[..., 282:].masked_fill_(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+        assert torch.equal(window_attention(q, keys, scale), logits.softmax(dim=-1))
+        spans = torch.arange(290) // (1 + trial)
+        scores = span_best(policy.score(q, keys, scale), spans[:282])
+        prefix = scores.topk(policy.prefix_budget(282), dim=-1).indices
+        tail = torch.arange(282, 290).expand(1, 3, 8)
+        want = torch.cat([prefix, tail], dim=-1).sort(dim=-1).values
+        assert torch.equal(policy.select(q, keys, scale, spans=spans), want)
