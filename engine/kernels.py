@@ -81,11 +81,48 @@ static inline __m512 load16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* The lane sums of 16 vectors v[0..15] as one vector (lane j: the sum of v[j]), each added in
+   the very pairs _mm512_reduce_add_ps adds (halves folded: 256 bits, 128, 64, then 32), so each
+   sum is that function's bit for bit, with a sixth of its shuffles. */
+static inline __m512 sum16(float v[16][16]) {
+    __m512 w[8], x[4], y[2];
+    for (int j = 0; j < 8; j++) {   /* 512 -> 256: keys 2j, 2j+1 (quarters 0-1 and 2-3) */
+        __m512 a = _mm512_load_ps(v[2 * j]), b = _mm512_load_ps(v[2 * j + 1]);
+        w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    }
+    for (int j = 0; j < 4; j++)     /* 256 -> 128: quarter i holds key 4j + i */
+        x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+    for (int j = 0; j < 2; j++)     /* 128 -> 64: quarter i holds keys 8j + i, 8j + 4 + i */
+        y[j] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * j], x[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(x[2 * j], x[2 * j + 1], 0xEE));
+    /* 64 -> 32: lane 4i + j holds key i + 4j; put key k in lane k */
+    __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, z);
+}
+
 /* The same block with AVX-512, for a constant G (inlined per G, so the accumulators stay in
    registers) and D a multiple of 16. */
 static inline __attribute__((always_inline)) void block_avx(const float *q, const uint16_t *K, const uint16_t *V,
         long n, const int G, int D, float scale, float *sc, float *m, float *s, float *o) {
-    for (long l = 0; l < n; l++) {
+    __attribute__((aligned(64))) float part[MAXG][16][16];   /* per query head, 16 keys' lane sums */
+    long l = 0;
+    for (; l + 16 <= n; l += 16) {   /* 16 keys at a time: their sums come out as one vector */
+        for (int j = 0; j < 16; j++) {
+            const uint16_t *kr = K + (l + j) * D;
+            __m512 acc[MAXG];
+            for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+            for (int c = 0; c < D; c += 16) {
+                __m512 k = load16(kr + c);
+                for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + c), k, acc[g]);
+            }
+            for (int g = 0; g < G; g++) _mm512_store_ps(part[g][j], acc[g]);
+        }
+        for (int g = 0; g < G; g++)
+            _mm512_storeu_ps(sc + g * BLK + l, _mm512_mul_ps(sum16(part[g]), _mm512_set1_ps(scale)));
+    }
+    for (; l < n; l++) {
         const uint16_t *kr = K + l * D;
         __m512 acc[MAXG];
         for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
