@@ -4,7 +4,9 @@ gets Conflict (HTTP 409) before any model work; a drain waits until no claim is 
 A turn that has ended (its commit is being written: the session's state may already show it)
 still holds its claim for the few milliseconds of its bookkeeping. A turn that arrives then is
 the next turn, not a concurrent one: it waits for that release (at most ``ENDING_WAIT_S``)
-instead of getting Conflict, so a client that saw the turn committed can always go on."""
+instead of getting Conflict, so a client that saw the turn committed can always go on. (A
+retry of the ended turn that arrives in those milliseconds runs after it, as it would a moment
+later; a request that must not, sends the session's version: ``expected_version``.)"""
 
 from __future__ import annotations
 

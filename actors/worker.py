@@ -20,7 +20,6 @@ between two of the scheduler's steps.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 
@@ -136,8 +135,7 @@ class Worker:
             job = self.scheduler.submit(self.engine.start(session, tokens[:n], None))
             for _ in job:  # raises the turn's error, if any
                 pass
-            with contextlib.suppress(Unavailable):  # a hint: the heartbeat reports it again
-                self.publish_prefixes()
+            self.publish_prefixes()  # at once, not at the next heartbeat (a hint: never raises)
         return prefixes.known(tenant, tokens[:n])
 
     def _new(self, req: TurnRequest) -> Session:
@@ -205,13 +203,22 @@ class Worker:
     def heartbeat(self) -> None:
         """Refresh this worker's heartbeat; re-register held sessions Redis lost or missed;
         report the shared prefixes held (store/prefix_holders.py)."""
-        self.sessions.heartbeat(load=self.stats)
-        self.publish_prefixes()
+        try:
+            self.sessions.heartbeat(load=self.stats)
+        finally:  # reported even when the rest of the heartbeat failed
+            self.publish_prefixes()
 
     def publish_prefixes(self) -> None:
-        """Tell the directory which shared prefixes this worker holds (the router reads it)."""
-        if self.engine.prefixes is not None:
+        """Tell the directory which shared prefixes this worker holds (the router reads it). A
+        hint: a failure is logged (Redis down: quietly), never raised; the next heartbeat retries."""
+        if self.engine.prefixes is None:
+            return
+        try:
             self.sessions.directory.publish_prefixes(self.worker_id, self.engine.prefixes.roots())
+        except Unavailable:
+            pass
+        except Exception:
+            log.exception("worker %s: reporting its shared prefixes failed", self.worker_id)
 
     def start_heartbeat(self, interval_s: float = 2.0) -> threading.Thread:
         def loop():

@@ -106,7 +106,7 @@ static inline __m512 sum16(float v[16][16]) {
    registers) and D a multiple of 16. */
 static inline __attribute__((always_inline)) void block_avx(const float *q, const uint16_t *K, const uint16_t *V,
         long n, const int G, int D, float scale, float *sc, float *m, float *s, float *o) {
-    __attribute__((aligned(64))) float part[MAXG][16][16];   /* per query head, 16 keys' lane sums */
+    __attribute__((aligned(64))) float part[G][16][16];   /* per query head, 16 keys' lane sums */
     long l = 0;
     for (; l + 16 <= n; l += 16) {   /* 16 keys at a time: their sums come out as one vector */
         for (int j = 0; j < 16; j++) {

@@ -15,9 +15,9 @@ A new session whose prompt holds a whole prefill chunk comes tagged
 as a shared prefix come first, least loaded first, unless overloaded or draining; the others
 follow by load. A replica holds it by the directory in Redis (store/prefix_holders.py: each
 worker reports its shared prefixes with its heartbeat and after prefilling a registered
-document; read in the same round trip budget as the owner), by its routing stats (engine/
-prefixes.py roots; they lag by a second), or because this router last sent a session with
-it there.
+document), by its routing stats (engine/prefixes.py roots; they lag by a second), or because
+this router last sent a session with it there. The holders' lookup is a second round trip
+for such a session, bounded by ``HOLDERS_TIMEOUT_S``.
 
 When Redis does not answer in time (a busy machine: the lookup runs on the ingress's event
 loop), the router sends the turn where it last saw the session go: the owner Redis last
@@ -27,6 +27,7 @@ whose holder Redis cannot name before that open commits), never away by load alo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -40,6 +41,7 @@ from kvsnap.store.prefix_holders import holders_of
 
 log = logging.getLogger(__name__)
 PLACEMENT_MEMORY_S = 2.0  # > the routing-stats period (1 s)
+HOLDERS_TIMEOUT_S = 0.5  # the prefix holders' lookup, a hint: past this a new session is placed without it
 OWNER_CACHE_SIZE = 100_000
 
 
@@ -117,12 +119,14 @@ class AffinityRouter(RequestRouter):
         return root in ((replica.routing_stats or {}).get("prefix_roots") or ())
 
     async def _holders(self, root: str) -> set[str]:
-        """The workers the directory names as holding ``root`` (none when Redis does not answer:
-        the stats and this router's memory still route)."""
+        """The workers the directory names as holding ``root``; none when Redis does not answer
+        within ``HOLDERS_TIMEOUT_S`` (a hint: the stats and this router's memory still route,
+        and a new session is never held up for it)."""
         try:
-            return await holders_of(self.redis, self.prefix, root, self.holder_ttl_s)
+            lookup = holders_of(self.redis, self.prefix, root, self.holder_ttl_s)
+            return await asyncio.wait_for(lookup, HOLDERS_TIMEOUT_S)
         except Exception as exc:
-            log.warning("affinity router: prefix holders lookup failed (%s)", exc)
+            log.warning("affinity router: prefix holders lookup failed (%r)", exc)
             return set()
 
     async def _owner(self, key: str) -> str:

@@ -75,3 +75,36 @@ def test_a_document_the_directory_places_draws_new_sessions_before_any_stats(rou
     assert choose(router, "t/s1#d0c1", [a, b])[1] == [["b"], ["a"]]
     router.redis = aioredis.Redis.from_url(redis_server.url)  # a client per event loop
     assert choose(router, "t/s2#d0c2", [a, b])[1] == [["a"], ["b"]]  # a document nobody holds: by load
+
+
+def test_a_failed_report_never_fails_a_registered_document_or_a_heartbeat(tiny_engine, directory_factory, monkeypatch):
+    import redis
+
+    engine = Engine(tiny_engine.loaded, prefill_chunk=tiny_engine.prefill_chunk, prefix_cache_bytes=64 << 20)
+    directory = directory_factory()
+    worker = Worker(engine, directory, build_store(10**9, 10**9), "w1")
+
+    def refuse(*args):
+        raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'")
+
+    monkeypatch.setattr(directory, "publish_prefixes", refuse)
+    try:
+        assert worker.hold_prefix("acme", DOCUMENT) == 48  # the rows are held; only the hint failed
+        worker.heartbeat()
+    finally:
+        worker.stop()
+
+
+def test_a_hung_holders_lookup_does_not_hold_a_new_session_up(router):  # noqa: F811
+    class Hung:
+        async def hget(self, key, field):
+            return None
+
+        async def eval(self, *args):
+            await asyncio.sleep(30)
+
+    router.redis = Hung()
+    a, b = replica("a"), replica("b", kv_bytes=1 << 20, sessions=1)
+    began = time.monotonic()
+    assert choose(router, "t/s1#d0c1", [a, b])[1] == [["a"], ["b"]]  # placed by load
+    assert time.monotonic() - began < 10  # bounded by HOLDERS_TIMEOUT_S, not the hung call
