@@ -6,7 +6,7 @@ still holds its claim for the few milliseconds of its bookkeeping. A turn that a
 the next turn, not a concurrent one: it waits for that release (at most ``ENDING_WAIT_S``)
 instead of getting Conflict, so a client that saw the turn committed can always go on. (A
 retry of the ended turn that arrives in those milliseconds runs after it, as it would a moment
-later; a request that must not, sends the session's version: ``expected_version``.)"""
+later; an implicit session's turn still checks the version it was matched at.)"""
 
 from __future__ import annotations
 
