@@ -74,7 +74,7 @@ def takes(parts: list[torch.Tensor]) -> bool:
     """Whether the C copy takes these parts (``[1, H_kv, rows, D]`` each): 2-byte values of one
     shape in host memory, rows of ``D`` contiguous values, and a compiled library."""
     first = parts[0]
-    _, heads, rows, dim = first.shape
+    dim = first.shape[-1]
     return (
         first.device.type == "cpu"
         and first.element_size() == 2

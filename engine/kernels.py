@@ -102,34 +102,34 @@ static inline __m512 sum16(float v[16][16]) {
     return _mm512_permutexvar_ps(order, z);
 }
 
+/* Key kr's products with the G queries, as 16 lane sums each (acc[g]: lane i sums dims
+   i, i + 16, ...): what a score is folded from. */
+static inline __attribute__((always_inline)) void lane_sums(const float *q, const uint16_t *kr, const int G, int D,
+                                                            __m512 *acc) {
+    for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+    for (int c = 0; c < D; c += 16) {
+        __m512 k = load16(kr + c);
+        for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + c), k, acc[g]);
+    }
+}
+
 /* The same block with AVX-512, for a constant G (inlined per G, so the accumulators stay in
    registers) and D a multiple of 16. */
 static inline __attribute__((always_inline)) void block_avx(const float *q, const uint16_t *K, const uint16_t *V,
         long n, const int G, int D, float scale, float *sc, float *m, float *s, float *o) {
     __attribute__((aligned(64))) float part[G][16][16];   /* per query head, 16 keys' lane sums */
     long l = 0;
+    __m512 acc[MAXG];
     for (; l + 16 <= n; l += 16) {   /* 16 keys at a time: their sums come out as one vector */
         for (int j = 0; j < 16; j++) {
-            const uint16_t *kr = K + (l + j) * D;
-            __m512 acc[MAXG];
-            for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
-            for (int c = 0; c < D; c += 16) {
-                __m512 k = load16(kr + c);
-                for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + c), k, acc[g]);
-            }
+            lane_sums(q, K + (l + j) * D, G, D, acc);
             for (int g = 0; g < G; g++) _mm512_store_ps(part[g][j], acc[g]);
         }
         for (int g = 0; g < G; g++)
             _mm512_storeu_ps(sc + g * BLK + l, _mm512_mul_ps(sum16(part[g]), _mm512_set1_ps(scale)));
     }
-    for (; l < n; l++) {
-        const uint16_t *kr = K + l * D;
-        __m512 acc[MAXG];
-        for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
-        for (int c = 0; c < D; c += 16) {
-            __m512 k = load16(kr + c);
-            for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + c), k, acc[g]);
-        }
+    for (; l < n; l++) {   /* the last n % 16 keys one by one */
+        lane_sums(q, K + l * D, G, D, acc);
         for (int g = 0; g < G; g++) sc[g * BLK + l] = _mm512_reduce_add_ps(acc[g]) * scale;
     }
     for (int g = 0; g < G; g++) {

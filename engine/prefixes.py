@@ -32,7 +32,7 @@ import threading
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,11 +57,11 @@ class Block:
     parent: bytes | None
     scope: str
     data: list[tuple[torch.Tensor, torch.Tensor]] | torch.Tensor
-    nbytes: int = 0
     children: int = 0
     route: str | None = None  # for the block that ends on the first ``route_tokens``: root_key's name
-    addresses: bytes = b""  # the rows' addresses, int64s in ``rows``' order (engine/cache.py fill_prefix)
-    _rows: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    nbytes: int = field(init=False, default=0)  # of ``data``
+    addresses: bytes = field(init=False, default=b"")  # int64s in ``rows``' order (engine/cache.py fill_prefix)
+    _rows: list[tuple[torch.Tensor, torch.Tensor]] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if isinstance(self.data, torch.Tensor):  # parts a stride apart in one allocation
