@@ -23,7 +23,7 @@ from kvsnap.errors import InvalidArgument
 
 from .base import POLICIES, Policy, gather_rows, step_attention, window_attention
 from .decoding import Compose, Evictor, evictor_names
-from .eviction import EVICTION_POLICIES, LRU
+from .eviction import EVICTION_POLICIES, LRU, NextUse
 from .full import FullKV
 from .h2o import H2O
 from .kvzap import KVzap
@@ -156,6 +156,7 @@ __all__ = [
     "EVICTION_POLICIES",
     "H2O",
     "LRU",
+    "NextUse",
     "POLICIES",
     "Compose",
     "Reselect",

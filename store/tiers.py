@@ -1,9 +1,11 @@
 """Tiered session-KV store: device -> host -> disk, each with a byte budget.
 
 A session's compressed KV (a :class:`KVBlob`) lives in exactly one tier. When a
-tier is over budget its least recently used blobs are demoted one tier down; past
-the last tier they are dropped (the token log in Redis can rebuild them). A get
-from a lower tier promotes the blob back to the device tier.
+tier is over budget the blobs whose next turn is due last (``policies/eviction.py``'s
+:class:`NextUse`: not LRU, which drops every session just before its turn when a cycle of
+conversations outgrows the tiers) are demoted one tier down; past the last tier they are
+dropped (the token log in Redis can rebuild them). A get from a lower tier promotes the
+blob back to the device tier.
 
 Host and disk copies carry a checksum; a mismatch or a truncated file is a miss
 (the caller rebuilds), never loaded. Byte accounting is exact: a tier's
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kvsnap.policies import LRU
+from kvsnap.policies import LRU, NextUse
 from kvsnap.policies.kivi import KIVI
 
 from .blobs import KVBlob, blob_from_bytes, blob_to_bytes
@@ -195,12 +197,14 @@ class TierStats:
 
 class TieredStore:
     """Tiers composed top (device) to bottom. ``put`` stores on the device tier and demotes
-    LRU blobs down while any tier is over budget; ``get`` promotes a hit back to the device."""
+    the blobs due last (:class:`NextUse`) down while any tier is over budget; ``get`` promotes
+    a hit back to the device."""
 
-    def __init__(self, tiers: list[Tier]):
+    def __init__(self, tiers: list[Tier], order: NextUse | None = None):
         if not tiers:
             raise ValueError("at least one tier is needed")
         self.tiers = tiers
+        self.order = order or NextUse()  # each key's uses: a put is one (a turn's commit)
         self.stats = TierStats()
         self.moved: dict[str, str] = {}  # key -> the tier a demotion left it in ("dropped": gone)
 
@@ -209,8 +213,13 @@ class TieredStore:
 
     def put(self, key: str, blob: KVBlob, tier: int = 0) -> str | None:
         """Store ``blob`` (replacing any older copy) in tier ``tier`` (0 = device, or the lowest
-        there is); returns the tier it ended up in (None: dropped)."""
-        self.discard(key)
+        there is); returns the tier it ended up in (None: dropped). It counts as a use of ``key``."""
+        self.order.used(key)
+        return self._place(key, blob, tier)
+
+    def _place(self, key: str, blob: KVBlob, tier: int = 0) -> str | None:
+        for each in self.tiers:
+            each.discard(key)
         self.tiers[min(tier, len(self.tiers) - 1)].put(key, blob)
         self._enforce_budgets()
         return self.tier_of(key)
@@ -236,13 +245,14 @@ class TieredStore:
                 return None
             if i > 0:
                 self.stats.promotions[f"{tier.name}->{self.tiers[0].name}"] += 1
-            self.put(key, blob)
+            self._place(key, blob)  # not a use: the turn that reads it commits one
             return (self.tiers[0].blobs[key] if key in self.tiers[0] else blob).unpacked()
         return None
 
     def discard(self, key: str) -> None:
         for tier in self.tiers:
             tier.discard(key)
+        self.order.forget(key)
 
     def take_moves(self) -> dict[str, str]:
         """Keys that demotions moved (or dropped) since the last call, with where they are now."""
@@ -261,7 +271,7 @@ class TieredStore:
     def _enforce_budgets(self) -> None:
         for i, tier in enumerate(self.tiers):
             while tier.bytes_used > tier.budget:
-                victim = tier.lru.coldest()
+                victim = self.order.victim(tier.lru)  # least recently used first: ties go to it
                 blob = tier.take(victim, raw=True)
                 if i + 1 < len(self.tiers) and blob is not None:
                     self.tiers[i + 1].put(victim, blob)
@@ -269,6 +279,7 @@ class TieredStore:
                     self.moved[victim] = self.tiers[i + 1].name
                     continue
                 self.moved[victim] = "dropped"
+                self.order.forget(victim)
                 if blob is None:
                     self.stats.corrupt += 1
                 else:

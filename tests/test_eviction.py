@@ -1,0 +1,110 @@
+"""Tier eviction order (policies/eviction.py's NextUse) and the tiered store that follows it."""
+
+from __future__ import annotations
+
+import torch
+
+from kvsnap.policies import LRU, NextUse
+from kvsnap.policies.eviction import PRIOR_GAP_S, SLACK_S
+from kvsnap.store.tiers import DeviceTier, HostTier, KVBlob, TieredStore
+
+BLOB_BYTES = 64 * 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def blob() -> KVBlob:
+    return KVBlob([torch.zeros(64)], logical_len=1, version=1)
+
+
+def store(clock: Clock, device: int, host: int, order: str = "next_use") -> TieredStore:
+    tiers = TieredStore([DeviceTier(device * BLOB_BYTES), HostTier(host * BLOB_BYTES)], NextUse(clock))
+    if order == "lru":  # what the store did before: the least recently used key, always
+        tiers.order.victim = lambda keys: next(iter(keys), None)
+    return tiers
+
+
+def rounds(tiers: TieredStore, clock: Clock, sessions: int, count: int) -> list[int]:
+    """``count`` rounds of turns over ``sessions`` chats in order (a turn: get, 2 s of work,
+    put; 3 s between turns); each round's hits (the chat's KV still in a tier)."""
+    hits = []
+    for r in range(count):
+        found = 0
+        for s in range(sessions):
+            key = f"t/s{s}"
+            found += r > 0 and tiers.get(key) is not None
+            clock.now += 2.0
+            tiers.put(key, blob())
+            clock.now += 3.0
+        hits.append(found)
+    return hits
+
+
+def test_a_cycle_of_chats_larger_than_the_tiers_keeps_all_but_the_overflow():
+    # 24 chats, room for 22: LRU drops each chat just before its turn comes round
+    clock = Clock()
+    lru = rounds(store(clock, 11, 11, order="lru"), clock, 24, 4)
+    clock = Clock()
+    tiers = store(clock, 11, 11)
+    next_use = rounds(tiers, clock, 24, 4)
+    assert lru[1:] == [0, 0, 0]
+    assert next_use[1:] == [22, 22, 22]  # the two that do not fit are rebuilt, no more
+    assert tiers.stats.dropped == 2 * 4 and tiers.sessions_by_tier() == {"device": 11, "host": 11}
+
+
+def test_the_device_tier_holds_the_chats_due_next():
+    clock = Clock()
+    tiers = store(clock, 4, 100)
+    rounds(tiers, clock, 10, 2)
+    # s0, s1, s2 are asked next: they stay on the device; s9's turn (the last) took the
+    # fourth place when it was promoted, pushing down s3, the one due last of those then there
+    assert {k for k in tiers.keys() if tiers.tier_of(k) == "device"} == {"t/s0", "t/s1", "t/s2", "t/s9"}
+    assert tiers.stats.promotions["host->device"] == 6 and tiers.stats.dropped == 0
+
+
+def test_an_abandoned_session_goes_before_active_ones():
+    clock = Clock()
+    tiers = store(clock, 3, 0)
+    for key in ("t/old", "t/a", "t/b"):
+        tiers.put(key, blob())
+        clock.now += 10
+        tiers.put(key, blob())  # a 10 s gap each
+    clock.now += 2 * 10 + SLACK_S + 1  # t/old is idle past twice its gap plus the slack
+    tiers.put("t/a", blob())
+    tiers.put("t/b", blob())
+    tiers.put("t/new", blob())  # over budget: the abandoned one leaves, not the newest
+    assert tiers.tier_of("t/old") is None and tiers.tier_of("t/new") == "device"
+    assert tiers.take_moves() == {"t/old": "dropped"}
+
+
+def test_victim_order():
+    clock = Clock()
+    order = NextUse(clock)
+    assert order.victim([]) is None
+    order.used("a")
+    clock.now += 5
+    order.used("b")
+    assert order.typical_gap() == PRIOR_GAP_S  # no session has come back yet
+    assert order.victim(["a", "b"]) == "b"  # seen once each: the newer is due later
+    assert order.victim(["unknown", "a", "b"]) == "unknown"  # no recorded use: least recently used first
+    clock.now += 1
+    order.used("a")  # a came back after 6 s: due again 6 s from now; b (prior gap) much later
+    assert order.typical_gap() == 6 and order.victim(["a", "b"]) == "a"  # b takes the median gap now
+    clock.now += 2 * 6 + SLACK_S + 1
+    order.used("b")  # b is back (its gap: 20 s + the slack); a has been idle past twice its gap
+    assert order.victim(["b", "a"]) == "a"  # overdue (abandoned) goes before anything due
+    order.forget("a")
+    assert order.victim(["b", "a"]) == "a"  # forgotten: no recorded use
+
+
+def test_lru_is_still_a_plain_use_order():
+    lru = LRU()
+    for key in ("a", "b", "c", "a"):
+        lru.touch(key)
+    assert list(lru) == ["b", "c", "a"] and lru.coldest() == "b"
