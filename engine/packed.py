@@ -13,6 +13,10 @@ KVzip+'s output-projection norms, sees the same tensor); the packed copy is extr
 bytes :func:`pack_linears` returns. Weights are frozen once packed: this is for inference.
 The LM head is left alone (engine/head.py reads its weight itself), and so is every float32,
 fp16 or CUDA layer.
+
+On a CPU with AMX, a product of at most :data:`AMX_MAX_ROWS` rows (a decode step's) with a
+weight of the right shape runs engine/amx_linear.py's kernel on the module's own weight instead:
+oneDNN's bits, at memory speed.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import weakref
 
 import torch
 from torch import nn
+
+from . import amx_linear
 
 ROWS_HINT = 8  # the rows oneDNN is told to expect (a decode step's); any count works
 
@@ -40,16 +46,25 @@ def can_pack(weight: torch.Tensor) -> bool:
 # (no storage), so a module holding it could not be deep-copied; a copy (tests build reference
 # models so) finds no entry here and takes the plain product, with the same results.
 _PACKED: weakref.WeakKeyDictionary[nn.Linear, torch.Tensor] = weakref.WeakKeyDictionary()
+_AMX: weakref.WeakSet[nn.Linear] = weakref.WeakSet()  # modules whose few-row products take the tiles
+AMX_MAX_ROWS = amx_linear.MAX_ROWS  # products of more rows run oneDNN (0: every one; benchmarks compare)
 
 
 def is_packed(module: nn.Module) -> bool:
     return module in _PACKED
 
 
+def uses_amx(module: nn.Module) -> bool:
+    """Whether ``module``'s few-row products run on the AMX tiles (engine/amx_linear.py)."""
+    return module in _AMX
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed = _PACKED.get(self)
     if packed is None or x.dtype != torch.bfloat16:  # a copy, or another dtype: the plain product
         return nn.Linear.forward(self, x)
+    if self in _AMX and x.numel() <= AMX_MAX_ROWS * x.shape[-1] and amx_linear.fits(x):
+        return amx_linear.linear(x, self.weight)
     return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
 
@@ -65,11 +80,14 @@ def pack_linears(model: nn.Module) -> int:
             _PACKED[module] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), ROWS_HINT)
         module.forward = types.MethodType(_packed_forward, module)
         added += module.weight.numel() * module.weight.element_size()
+        if module.bias is None and amx_linear.takes(module.weight):
+            _AMX.add(module)
     return added
 
 
 def unpack_linears(model: nn.Module) -> None:
     """Undo :func:`pack_linears` (benchmarks compare both in one run)."""
     for module in model.modules():
+        _AMX.discard(module)
         if _PACKED.pop(module, None) is not None:
             del module.forward

@@ -1,0 +1,94 @@
+"""A decode step's projections on AMX tiles (engine/amx_linear.py): oneDNN's bits, every row count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kvsnap.engine import Engine, SamplingParams, amx_linear, load_model, packed
+from kvsnap.engine.packed import can_pack, pack_linears, uses_amx
+from kvsnap.policies import make_policy
+
+from .conftest import random_tokens
+
+needs_amx = pytest.mark.skipif(amx_linear.kernel() is None, reason="no AMX on this CPU")
+ONEDNN = lambda x, packed: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
+
+# (out, in) of every projection of the two embedded models
+SHAPES = {
+    "smollm2-135m": [(576, 576), (192, 576), (1536, 576), (576, 1536)],
+    "gemma3-270m": [(1024, 640), (256, 640), (640, 1024), (2048, 640)],  # (640, 2048): oneDNN's (below)
+}
+
+
+@needs_amx
+@pytest.mark.parametrize("model", sorted(SHAPES))
+def test_every_row_count_gives_onednns_bits_on_the_embedded_models_shapes(model):
+    gen = torch.Generator().manual_seed(0)
+    for out_features, in_features in SHAPES[model]:
+        weight = (torch.randn(out_features, in_features, generator=gen) * in_features**-0.5).to(torch.bfloat16)
+        assert amx_linear.takes(weight)
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+        x = (torch.randn(amx_linear.MAX_ROWS, in_features, generator=gen) * 3).to(torch.bfloat16)
+        for rows in range(1, amx_linear.MAX_ROWS + 1):
+            got = amx_linear.linear(x[:rows], weight)
+            assert torch.equal(got, ONEDNN(x[:rows], onednn)), (out_features, in_features, rows)
+        # a row's result does not depend on the rows beside it
+        alone = torch.cat([amx_linear.linear(x[i : i + 1], weight) for i in range(len(x))])
+        assert torch.equal(alone, amx_linear.linear(x, weight))
+
+
+@needs_amx
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_the_lm_heads_first_pass_is_f_linears(model):
+    head = load_model(model, dtype="bfloat16").model.get_output_embeddings().weight.detach()
+    assert amx_linear.takes(head)
+    x = torch.randn(8, head.shape[1]).to(torch.bfloat16)
+    assert torch.equal(amx_linear.linear(x, head), nn.functional.linear(x, head))
+
+
+@needs_amx
+def test_a_three_dimensional_input_and_torch_thread_counts():
+    weight = torch.randn(128, 64).to(torch.bfloat16)
+    x = torch.randn(1, 5, 64).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(amx_linear.linear(x, weight))
+    finally:
+        torch.set_num_threads(threads)
+    assert results[0].shape == (1, 5, 128) and torch.equal(results[0], results[1])
+    assert torch.equal(results[0][0], nn.functional.linear(x[0], weight))
+
+
+@needs_amx
+def test_what_it_does_not_take():
+    assert not amx_linear.takes(torch.zeros(100, 64, dtype=torch.bfloat16))  # 100 outputs: not groups of 64
+    assert not amx_linear.takes(torch.zeros(64, 48, dtype=torch.bfloat16))  # 48 inputs: not tiles of 32
+    assert not amx_linear.takes(torch.zeros(64, 64))  # float32
+    assert not amx_linear.takes(torch.zeros(640, 2048, dtype=torch.bfloat16))  # rows 4 KiB apart: L1 set conflicts
+    assert not amx_linear.takes(torch.zeros(64, 128, dtype=torch.bfloat16)[:, ::2])  # not contiguous
+    rows = torch.zeros(17, 64, dtype=torch.bfloat16)
+    assert not amx_linear.fits(rows) and amx_linear.fits(rows[:16]) and not amx_linear.fits(rows[:0])
+    assert not amx_linear.fits(rows[:4, ::2])  # not contiguous
+
+
+@needs_amx
+@pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 kernels")
+def test_a_model_decodes_with_the_tiles_and_answers_as_with_onednn():
+    engine = Engine(load_model("tiny-llama", dtype="bfloat16"), prefill_chunk=16)
+    layers = [m for m in engine.model.modules() if type(m) is nn.Linear and uses_amx(m)]
+    assert layers  # the tiny model's projections have the kernel's shapes
+    prompts = [random_tokens(40, seed=s) for s in (1, 2, 3)]
+    sampling = SamplingParams(max_new_tokens=10)
+    with_tiles = [engine.turn(engine.new_session(make_policy("full")), p, sampling).tokens for p in prompts]
+    packed.AMX_MAX_ROWS = 0  # the same packed model, oneDNN for every product
+    try:
+        plain = [engine.turn(engine.new_session(make_policy("full")), p, sampling).tokens for p in prompts]
+    finally:
+        packed.AMX_MAX_ROWS = amx_linear.MAX_ROWS
+    assert with_tiles == plain
+    assert pack_linears(engine.model) == 0  # idempotent
