@@ -25,6 +25,7 @@ import time
 import torch
 from decode_bench import sessions_on, step_ms
 from dtype_bench import DOC
+from step_bench import step_parser
 from torch import nn
 
 from kvsnap.engine import Engine, amx_linear, load_model, packed
@@ -73,19 +74,11 @@ def model_report(name: str, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="smollm2-135m,gemma3-270m")
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--short", type=int, default=64)
-    parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--reps", type=int, default=4)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    torch.set_num_threads(2)
+    args = step_parser(__doc__).parse_args()
+    torch.set_num_threads(args.threads)
     if amx_linear.kernel() is None:
         raise SystemExit("no AMX kernel on this machine: nothing to compare")
-    report = {"sessions": args.sessions, "reps": args.reps, "threads": 2, "dtype": "bfloat16"}
+    report = {"sessions": args.sessions, "reps": args.reps, "threads": args.threads, "dtype": "bfloat16"}
     for name in args.models.split(","):
         report[name] = model_report(name, args)
         print(name, json.dumps(report[name]), flush=True)

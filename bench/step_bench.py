@@ -48,8 +48,9 @@ def by_case(model: torch.nn.Module, measure, reps: int, digits: int) -> dict[str
     return {case: round(statistics.median(t), digits) for case, t in times.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def step_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments of a decode-step benchmark (this one, bench/amx_linear_bench.py)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2-135m,gemma3-270m")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--short", type=int, default=64)
@@ -58,7 +59,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = step_parser(__doc__).parse_args()
     torch.set_num_threads(args.threads)
     report = {"sessions": args.sessions, "threads": args.threads, "reps": args.reps, "dtype": "bfloat16"}
     for name in args.models.split(","):
