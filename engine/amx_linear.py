@@ -35,6 +35,7 @@ from . import cbuild
 MAX_ROWS = 16  # the step's rows are one tile's columns (16 x 4 bytes): up to 16 sessions
 COLUMNS = 64  # outputs a unit of work (four tiles of 16 weight rows)
 DEPTH = 32  # inputs a tile product (16 pairs of bf16)
+MAX_WEIGHTS = 8  # weights one call of :func:`linears` takes
 
 SOURCE = r"""
 #include <stdint.h>
@@ -50,9 +51,13 @@ typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; u
 
 int amx_linear_init(void) { return syscall(SYS_arch_prctl, 0x1023, 18) ? -1 : 0; }
 
-/* y [M][N] = x [M][K] . w^T for w [N][K] as it is; M <= 16, N % 64 == 0, K % 32 == 0 */
-int amx_linear(const uint16_t* x, int M, long K, const uint16_t* w, long N, uint16_t* y) {
-    long depth = K / 32, groups = N / 64;
+/* ys[i] [M][Ns[i]] = x [M][K] . ws[i]^T for count (<= 8) weights [Ns[i]][K] as they are, one
+   parallel pass over all their groups of 64 outputs; M <= 16, Ns[i] % 64 == 0, K % 32 == 0 */
+int amx_linear(const uint16_t* x, int M, long K, int count, const uint16_t* const* ws, const long* Ns,
+               uint16_t* const* ys) {
+    long depth = K / 32, first[9] = {0};
+    if (count < 1 || count > 8) return -2;
+    for (int i = 0; i < count; i++) first[i + 1] = first[i] + Ns[i] / 64;  /* weight i's first group */
     uint32_t* xp = aligned_alloc(64, (size_t)K * 32);  /* [K / 2 pairs][M][2]: the tile's columns */
     if (xp == NULL) return -1;
     const uint32_t* x32 = (const uint32_t*)x;
@@ -70,8 +75,11 @@ int amx_linear(const uint16_t* x, int M, long K, const uint16_t* w, long N, uint
         __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                            _mm512_set1_epi32(M));
         #pragma omp for schedule(static)
-        for (long g = 0; g < groups; g++) {
-            const uint16_t* a = w + g * 64 * K;
+        for (long u = 0; u < first[count]; u++) {
+            int i = 0;
+            while (u >= first[i + 1]) i++;
+            long g = u - first[i], N = Ns[i];
+            const uint16_t* a = ws[i] + g * 64 * K;
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (long d = 0; d < depth; d++) {
                 const uint16_t* ad = a + d * 32;
@@ -86,7 +94,7 @@ int amx_linear(const uint16_t* x, int M, long K, const uint16_t* w, long N, uint
                 _tile_loadd(5, ad + 48 * K, K * 2);
                 _tile_dpbf16ps(3, 5, 4);
             }
-            uint16_t* out = y + g * 64;
+            uint16_t* out = ys[i] + g * 64;
             /* a sum tile is [16 outputs][M rows]: each row's 16 outputs are a column of it */
 #define STORE(t) \
             _tile_stored(t, acc, 4 * M); \
@@ -113,8 +121,8 @@ def kernel() -> ctypes.CDLL | None:
     if lib is None or lib.amx_linear_init() != 0:
         return None
     lib.amx_linear.restype = ctypes.c_int
-    lib.amx_linear.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
-    lib.amx_linear.argtypes += [ctypes.c_void_p]
+    lib.amx_linear.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int]
+    lib.amx_linear.argtypes += [ctypes.c_void_p] * 3
     return lib
 
 
@@ -144,9 +152,25 @@ def fits(x: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` ``[..., K]`` that :func:`fits`, ``weight`` that the kernel
     :func:`takes`."""
-    out_features, in_features = weight.shape
-    y = torch.empty(*x.shape[:-1], out_features, dtype=torch.bfloat16)
-    rows = x.numel() // in_features
-    if kernel().amx_linear(x.data_ptr(), rows, in_features, weight.data_ptr(), out_features, y.data_ptr()) != 0:
+    return linears(x, [weight])[0]
+
+
+def linears(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``x @ w.T`` for each of up to :data:`MAX_WEIGHTS` weights of ``x``'s width (a layer's
+    query, key and value projections; its gate and up projections), in one pass: one call, one
+    parallel region over all their groups of outputs (the small ones no longer leave a thread
+    idle), each output the bits :func:`linear` gives it alone."""
+    if not 0 < len(weights) <= MAX_WEIGHTS:
+        raise ValueError(f"{len(weights)} weights: one pass takes 1 to {MAX_WEIGHTS}")
+    in_features = x.shape[-1]
+    outs = [torch.empty(*x.shape[:-1], w.shape[0], dtype=torch.bfloat16) for w in weights]
+    count = len(weights)
+    pointers = ctypes.c_void_p * count
+    done = kernel().amx_linear(
+        x.data_ptr(), x.numel() // in_features, in_features, count,
+        pointers(*(w.data_ptr() for w in weights)), (ctypes.c_long * count)(*(w.shape[0] for w in weights)),
+        pointers(*(y.data_ptr() for y in outs)),
+    )  # fmt: skip
+    if done != 0:
         raise MemoryError("the AMX product's scratch could not be allocated")
-    return y
+    return outs

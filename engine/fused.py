@@ -31,7 +31,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP, Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from . import cbuild
-from .packed import _packed_forward
+from .packed import _packed_forward, products
 
 SOURCE = r"""
 #include <stdint.h>
@@ -196,7 +196,7 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     (engine/packed.py's where packed: the same products, without three module dispatches)."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return type(self).forward(self, x)
-    gate, up = _packed_forward(self.gate_proj, x), _packed_forward(self.up_proj, x)
+    gate, up = products((self.gate_proj, self.up_proj), x)  # one pass on the AMX tiles where they take both
     return _packed_forward(self.down_proj, act_mul(gate, up, _activation(self)))
 
 

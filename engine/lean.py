@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, eager_at
 
 from . import fused
 from .batch import BatchCache
-from .packed import _packed_forward
+from .packed import _packed_forward, products
 
 
 def _wants_hidden(cache) -> bool:
@@ -63,9 +63,8 @@ def lean_forward(
     residual = hidden_states
     hidden = self.input_layernorm.forward(hidden_states)  # fused.py's where fused
     shape = (*hidden.shape[:-1], -1, attn.head_dim)
-    query = _packed_forward(attn.q_proj, hidden).view(shape).transpose(1, 2)
-    key = _packed_forward(attn.k_proj, hidden).view(shape).transpose(1, 2)
-    value = _packed_forward(attn.v_proj, hidden).view(shape).transpose(1, 2)
+    projected = products((attn.q_proj, attn.k_proj, attn.v_proj), hidden)  # one AMX pass where they take it
+    query, key, value = (p.view(shape).transpose(1, 2) for p in projected)
     query, key = fused.rope(query, key, *position_embeddings)
     if cache is not None:
         key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)

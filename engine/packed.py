@@ -68,6 +68,20 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
 
+def products(modules: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """Each module's product with the same ``x`` (a layer's query, key and value projections;
+    its gate and up projections): one pass on the AMX tiles where every one of them takes it
+    (:func:`.amx_linear.linears`), else each module's own, with the same bits either way."""
+    if (
+        x.dtype == torch.bfloat16
+        and x.numel() <= AMX_MAX_ROWS * x.shape[-1]
+        and all(m in _AMX for m in modules)
+        and amx_linear.fits(x)
+    ):
+        return amx_linear.linears(x, [m.weight for m in modules])
+    return [_packed_forward(m, x) for m in modules]
+
+
 def pack_linears(model: nn.Module) -> int:
     """Pack every bf16 CPU ``nn.Linear`` of ``model`` but its LM head; returns the bytes of the
     weights it packed, which their packed copies take again (0: nothing to pack). Idempotent."""

@@ -92,3 +92,32 @@ def test_a_model_decodes_with_the_tiles_and_answers_as_with_onednn():
         packed.AMX_MAX_ROWS = amx_linear.MAX_ROWS
     assert with_tiles == plain
     assert pack_linears(engine.model) == 0  # idempotent
+
+
+@needs_amx
+def test_several_weights_in_one_pass_give_each_ones_own_bits():
+    gen = torch.Generator().manual_seed(1)
+    weights = [(torch.randn(n, 576, generator=gen) * 0.04).to(torch.bfloat16) for n in (576, 192, 192)]
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+        together = amx_linear.linears(x, weights)
+        assert [t.shape for t in together] == [(rows, 576), (rows, 192), (rows, 192)]
+        for got, weight in zip(together, weights, strict=True):
+            assert torch.equal(got, amx_linear.linear(x, weight))
+    with pytest.raises(ValueError):
+        amx_linear.linears(x, weights * 3)  # more than MAX_WEIGHTS
+
+
+@needs_amx
+def test_a_layers_projections_go_together_only_where_each_takes_the_tiles():
+    model = load_model("smollm2-135m", dtype="bfloat16").model
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(1, 8, 576).to(torch.bfloat16)
+    modules = (attn.q_proj, attn.k_proj, attn.v_proj)
+    together = packed.products(modules, x)
+    assert all(torch.equal(t, m(x)) for t, m in zip(together, modules, strict=True))
+    packed.AMX_MAX_ROWS = 0  # oneDNN's products, one by one: the same bits
+    try:
+        assert all(torch.equal(t, o) for t, o in zip(together, packed.products(modules, x), strict=True))
+    finally:
+        packed.AMX_MAX_ROWS = amx_linear.MAX_ROWS
