@@ -8,11 +8,13 @@ turns come round in cycles: each user reads an answer, then asks again. When a c
 a few more sessions than the tiers do, the least recently used session is always the one
 asked next, so LRU drops every session just before its turn (the peer bench's pressure
 workload: 21 of 24 follow-ups rebuilt from the token log). :class:`NextUse` instead
-predicts each session's next turn from its last two (the gap between them; the median gap
-of the others, or :data:`PRIOR_GAP_S`, for a session seen once) and evicts the one due
-last: on a cycle, the one asked most recently (Belady's choice). A session idle for more
-than twice its gap plus :data:`SLACK_S` is taken for abandoned and goes first, least
-recently used first, so idle sessions do not hold the tiers.
+predicts each session's next turn from its last two (the gap between them; for a session
+seen once, the median gap of its tenant's other sessions, or :data:`PRIOR_GAP_S`) and evicts
+the one due last: on a cycle, the one asked most recently (Belady's choice). A session idle
+for more than twice its gap plus :data:`SLACK_S` is taken for abandoned and goes first, least
+recently used first, so idle sessions do not hold the tiers. The median is the tenant's own
+(keys are ``tenant/...``): another tenant's quick turns do not make a tenant's sessions look
+abandoned sooner.
 
 :class:`LRU` stays for the prefix cache's blocks and for keys with no recorded use.
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 
 PRIOR_GAP_S = 60.0  # a user's time between turns, before any session has shown its own
@@ -75,8 +77,12 @@ class NextUse:
         self.last.pop(key, None)
         self.gap.pop(key, None)
 
-    def typical_gap(self) -> float:
-        return statistics.median(self.gap.values()) if self.gap else PRIOR_GAP_S
+    def typical_gaps(self) -> dict[str, float]:
+        """Each tenant's median gap (tenants whose sessions have come back)."""
+        by_tenant: defaultdict[str, list[float]] = defaultdict(list)
+        for key, gap in self.gap.items():
+            by_tenant[tenant_of(key)].append(gap)
+        return {tenant: statistics.median(gaps) for tenant, gaps in by_tenant.items()}
 
     def victim(self, keys: Iterable[str]) -> str | None:
         """The key of ``keys`` (least recently used first) to evict: a key with no recorded use,
@@ -87,13 +93,19 @@ class NextUse:
             last = self.last.get(key)
             if last is None:
                 return key
-            if typical is None:
-                typical = self.typical_gap()
-            gap, idle = self.gap.get(key, typical), now - last
+            if (gap := self.gap.get(key)) is None:
+                if typical is None:
+                    typical = self.typical_gaps()
+                gap = typical.get(tenant_of(key), PRIOR_GAP_S)
+            idle = now - last
             rank = (1, idle) if idle > 2 * gap + SLACK_S else (0, last + gap)
             if best_rank is None or rank > best_rank:
                 best, best_rank = key, rank
         return best
+
+
+def tenant_of(key: str) -> str:
+    return key.split("/", 1)[0]
 
 
 EVICTION_POLICIES = {"lru": LRU, "next_use": NextUse}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvsnap.policies import LRU, NextUse
-from kvsnap.policies.eviction import PRIOR_GAP_S, SLACK_S
+from kvsnap.policies.eviction import SLACK_S
 from kvsnap.store.tiers import DeviceTier, HostTier, KVBlob, TieredStore
 
 BLOB_BYTES = 64 * 4
@@ -87,20 +87,36 @@ def test_victim_order():
     clock = Clock()
     order = NextUse(clock)
     assert order.victim([]) is None
-    order.used("a")
+    order.used("t/a")
     clock.now += 5
-    order.used("b")
-    assert order.typical_gap() == PRIOR_GAP_S  # no session has come back yet
-    assert order.victim(["a", "b"]) == "b"  # seen once each: the newer is due later
-    assert order.victim(["unknown", "a", "b"]) == "unknown"  # no recorded use: least recently used first
+    order.used("t/b")
+    assert order.typical_gaps() == {}  # no session has come back yet: each takes PRIOR_GAP_S
+    assert order.victim(["t/a", "t/b"]) == "t/b"  # seen once each: the newer is due later
+    assert order.victim(["t/unknown", "t/a", "t/b"]) == "t/unknown"  # no recorded use: least recently used first
     clock.now += 1
-    order.used("a")  # a came back after 6 s: due again 6 s from now; b (prior gap) much later
-    assert order.typical_gap() == 6 and order.victim(["a", "b"]) == "a"  # b takes the median gap now
+    order.used("t/a")  # a came back after 6 s: due again 6 s from now; b (the median gap: 6 s) at 11 s
+    assert order.typical_gaps() == {"t": 6} and order.victim(["t/a", "t/b"]) == "t/a"
     clock.now += 2 * 6 + SLACK_S + 1
-    order.used("b")  # b is back (its gap: 20 s + the slack); a has been idle past twice its gap
-    assert order.victim(["b", "a"]) == "a"  # overdue (abandoned) goes before anything due
-    order.forget("a")
-    assert order.victim(["b", "a"]) == "a"  # forgotten: no recorded use
+    order.used("t/b")  # b is back (its gap: 20 s + the slack); a has been idle past twice its gap
+    assert order.victim(["t/b", "t/a"]) == "t/a"  # overdue (abandoned) goes before anything due
+    order.forget("t/a")
+    assert order.victim(["t/b", "t/a"]) == "t/a"  # forgotten: no recorded use
+
+
+def test_another_tenants_quick_turns_do_not_make_a_tenants_sessions_look_abandoned():
+    clock = Clock()
+    order = NextUse(clock)
+    order.used("acme/chat")  # seen once: acme's typical gap is the prior, 60 s
+    for i in range(20):  # another tenant: many sessions coming back after 1 s
+        order.used(f"evil/{i}")
+        clock.now += 1
+        order.used(f"evil/{i}")
+    order.used("evil/old")  # seen once: evil's typical gap is 1 s
+    clock.now += 40
+    assert order.typical_gaps() == {"evil": 1}
+    # acme/chat (idle 60 s) is within twice its tenant's gap plus the slack; evil/old (idle 40 s)
+    # is past twice evil's: abandoned, it goes first (with one median for all, acme's would)
+    assert order.victim(["acme/chat", "evil/old"]) == "evil/old"
 
 
 def test_lru_is_still_a_plain_use_order():
