@@ -227,7 +227,7 @@ class SessionStore(Loading, Rewinds, Liveness):
 
     def _store_full_copy(self, key: str, session: Session, version: int) -> None:
         """A Reselect policy: the full copy goes to the host tier (never the device tier),
-        where LRU demotes or drops it like any other blob. It is kept at full precision
+        where the tiers' order demotes or drops it like any other blob. It is kept at full precision
         (``exact``) even where the tiers quantize KV (kv_quant): re-selection scores its rows
         and copies them to the device every turn."""
         if session.full_kv is None:

@@ -59,11 +59,17 @@ def uses_amx(module: nn.Module) -> bool:
     return module in _AMX
 
 
+def _few_rows(x: torch.Tensor) -> bool:
+    """Rows the AMX kernel takes (:func:`.amx_linear.fits`: contiguous bf16), at most
+    :data:`AMX_MAX_ROWS` of them."""
+    return x.numel() <= AMX_MAX_ROWS * x.shape[-1] and amx_linear.fits(x)
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed = _PACKED.get(self)
     if packed is None or x.dtype != torch.bfloat16:  # a copy, or another dtype: the plain product
         return nn.Linear.forward(self, x)
-    if self in _AMX and x.numel() <= AMX_MAX_ROWS * x.shape[-1] and amx_linear.fits(x):
+    if self in _AMX and _few_rows(x):
         return amx_linear.linear(x, self.weight)
     return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
@@ -72,12 +78,7 @@ def products(modules: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tens
     """Each module's product with the same ``x`` (a layer's query, key and value projections;
     its gate and up projections): one pass on the AMX tiles where every one of them takes it
     (:func:`.amx_linear.linears`), else each module's own, with the same bits either way."""
-    if (
-        x.dtype == torch.bfloat16
-        and x.numel() <= AMX_MAX_ROWS * x.shape[-1]
-        and all(m in _AMX for m in modules)
-        and amx_linear.fits(x)
-    ):
+    if all(m in _AMX for m in modules) and _few_rows(x):
         return amx_linear.linears(x, [m.weight for m in modules])
     return [_packed_forward(m, x) for m in modules]
 

@@ -16,7 +16,8 @@ recently used first, so idle sessions do not hold the tiers. The median is the t
 (keys are ``tenant/...``): another tenant's quick turns do not make a tenant's sessions look
 abandoned sooner.
 
-:class:`LRU` stays for the prefix cache's blocks and for keys with no recorded use.
+:class:`LRU` stays as each tier's use order: the order :meth:`NextUse.victim` reads keys in,
+so that ties, and keys with no recorded use, go least recently used first.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ class NextUse:
 
 
 def tenant_of(key: str) -> str:
+    """The tenant of a tier key: ``tenant/session_id`` (actors/turns.py ``TurnRequest.key``; ids
+    hold no "/", actors/held.py), or ``tenant/session_id/full`` for a re-selection's full copy."""
     return key.split("/", 1)[0]
 
 

@@ -218,8 +218,7 @@ class TieredStore:
         return self._place(key, blob, tier)
 
     def _place(self, key: str, blob: KVBlob, tier: int = 0) -> str | None:
-        for each in self.tiers:
-            each.discard(key)
+        self._remove(key)
         self.tiers[min(tier, len(self.tiers) - 1)].put(key, blob)
         self._enforce_budgets()
         return self.tier_of(key)
@@ -250,9 +249,13 @@ class TieredStore:
         return None
 
     def discard(self, key: str) -> None:
+        self._remove(key)
+        self.order.forget(key)
+
+    def _remove(self, key: str) -> None:
+        """Every tier's copy of ``key`` gone (its use history kept: :meth:`discard` forgets it)."""
         for tier in self.tiers:
             tier.discard(key)
-        self.order.forget(key)
 
     def take_moves(self) -> dict[str, str]:
         """Keys that demotions moved (or dropped) since the last call, with where they are now."""
