@@ -5,15 +5,16 @@ machine (two cores with AMX), where matrix products on the same cores reach abou
 attention was still about 40 % of SmolLM2's prefill and much of a later chat's first token on a
 shared document (docs/BENCHMARKS.md, "A prompt chunk's attention on AMX tiles").
 
-The function here is flash attention on AMX: for one query head and 16 of the chunk's queries
-(a unit of work), it walks the session's rows in blocks of 256 keys, multiplies queries by keys
-on the tiles (bf16 products summed in float32), keeps a running softmax in float32 (each row's
-largest score and sum, updated once a block), rounds the block's weights to bf16 and multiplies
-them by the values on the tiles again, as torch's CPU flash kernel does (its weights go to bf16
-for that product too). The mask is implicit: query ``i`` of a chunk of ``T`` over ``L`` rows is
-row ``L - T + i`` and sees the rows at or before it, within ``window`` of it on a sliding layer
-(:func:`.batch.mask`'s rule); blocks nobody in a unit can see are skipped. Keys and values are
-first repacked, once per call, into the pair-interleaved layout the tiles read.
+The function here is flash attention on AMX: for one query head and 16 of the chunk's queries (a
+unit of work), it walks the session's rows in blocks of 256 keys, multiplies queries by keys on
+the tiles (bf16 products summed in float32), keeps a running softmax in float32 (each row's
+largest score and sum, updated once a block; scores go to base 2 with the scale in one product),
+rounds the block's weights to bf16 and multiplies them by the values on the tiles again, as
+torch's CPU flash kernel does (its weights go to bf16 for that product too). The mask is
+implicit: query ``i`` of a chunk of ``T`` over ``L`` rows is row ``L - T + i`` and sees the rows
+at or before it, within ``window`` of it on a sliding layer (:func:`.batch.mask`'s rule); blocks
+nobody in a unit can see are skipped. Keys and values are first repacked, once per call, into
+the pair-interleaved layout the tiles read.
 
 Units run on torch's own OpenMP threads (see engine/kernels.py), each configuring its tiles and
 releasing them when done. A query's result is computed by one unit, over its rows in order:
@@ -65,22 +66,19 @@ static void tiles_on(void) {
     _tile_loadconfig(&c);
 }
 
-/* exp(x) for 16 floats: 2^n * p(r), x = n ln 2 + r, |r| <= ln 2 / 2, p of degree 6 (relative error
-   about 2e-7, far below a bf16 weight's rounding); 0 below -87 (where exp leaves the normal floats),
-   so a hidden score (NEG) weighs exactly 0. */
-static inline __m512 exp512(__m512 x) {
-    __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+/* 2^x for 16 floats: 2^n * p(r), x = n + r, |r| <= 1/2, p the degree-5 Taylor polynomial of
+   2^r = e^(r ln 2) (relative error under 3e-6, far below a bf16 weight's rounding); 0 below -126
+   (where 2^x leaves the normal floats), so a hidden score (NEG) weighs exactly 0. Scores are
+   taken to base 2 with the softmax's scale in one product, so no exp needs its own. */
+static inline __m512 exp2_512(__m512 x) {
+    __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);                     /* ln2^5 / 5! */
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291e-3f));     /* ln2^4 / 4! */
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504109e-2f));     /* ln2^3 / 3! */
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022651e-1f));     /* ln2^2 / 2! */
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718e-1f));     /* ln2 */
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     return _mm512_maskz_scalef_ps(normal, p, n);
 }
@@ -174,6 +172,7 @@ static void unit(const uint16_t *q, long qsh, long qst, int h, long t0, int rows
            group, or before its window) weighs 0; a block needs the per-key test where any key its
            groups score lies past the unit's first query or before the last query's window */
         int edge = k0 + 16 * groups - 1 > first || (window > 0 && k0 <= last - window);
+        const __m512 base2 = _mm512_set1_ps(scale * 1.44269504f);   /* a score to base 2, scaled */
         for (int r = 0; r < QB; r++) {
             float *sr = s + r * KB;
             uint16_t *pr = p + r * KB;
@@ -182,25 +181,25 @@ static void unit(const uint16_t *q, long qsh, long qst, int h, long t0, int rows
             __m512 best = _mm512_set1_ps(NEG);
             const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
             for (int c = 0; c < groups; c++) {
-                __m512 x = _mm512_mul_ps(_mm512_load_ps(sr + 16 * c), _mm512_set1_ps(scale));
+                __m512 x = _mm512_load_ps(sr + 16 * c);
                 if (edge) {
                     __m512i key = _mm512_add_epi32(_mm512_set1_epi32((int)k0 + 16 * c), iota);
                     __mmask16 seen = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(pos)) &
                                      _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(from));
                     x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(NEG), x);
+                    _mm512_store_ps(sr + 16 * c, x);
                 }
-                _mm512_store_ps(sr + 16 * c, x);
                 best = _mm512_max_ps(best, x);
             }
             float top = _mm512_reduce_max_ps(best);
             if (top == NEG) { memset(pr, 0, 2 * 32 * pairs); continue; }
-            float mx = m[r] > top ? m[r] : top;
-            float alpha = _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[r] - mx)));
+            float top2 = top * scale * 1.44269504f, mx = m[r] > top2 ? m[r] : top2;   /* base 2 */
+            float alpha = _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(m[r] - mx)));
             __m512 sum = _mm512_setzero_ps(), shift = _mm512_set1_ps(mx);
             for (int c = 0; c < 2 * pairs; c += 2) {
-                __m512 e0 = exp512(_mm512_sub_ps(_mm512_load_ps(sr + 16 * c), shift));
+                __m512 e0 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(sr + 16 * c), base2, shift));
                 __m512 e1 = _mm512_setzero_ps();   /* an odd last group: its pair's second half weighs 0 */
-                if (c + 1 < groups) e1 = exp512(_mm512_sub_ps(_mm512_load_ps(sr + 16 * c + 16), shift));
+                if (c + 1 < groups) e1 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(sr + 16 * c + 16), base2, shift));
                 sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
                 _mm512_storeu_si512(pr + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
             }
