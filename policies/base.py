@@ -113,7 +113,9 @@ class Policy:
             scores = self.score(window_queries, keys, scale, chunk=chunk)
         if spans is not None:
             scores = span_best(scores, spans[: length - w].to(device))
-        prefix = scores.topk(k, dim=-1).indices
+        # unsorted: the same rows (a top-k picks its set before it sorts it), and both ways below
+        # put them in order; sorting 2K of them took 0.4 ms a layer, 8x the pick, on every turn
+        prefix = scores.topk(k, dim=-1, sorted=False).indices
         if device.type == "cpu":  # the chosen rows in order, by a mask (a sort cost 10x more here)
             keep = torch.zeros(batch, kv_heads, length, dtype=torch.bool)
             keep.scatter_(-1, prefix, True)
