@@ -16,6 +16,10 @@ recently used first, so idle sessions do not hold the tiers. The median is the t
 (keys are ``tenant/...``): another tenant's quick turns do not make a tenant's sessions look
 abandoned sooner.
 
+The tier store (store/tiers.py) also shares the tiers between tenants: it asks
+:meth:`NextUse.overdue` over all of a tier's keys first, then :meth:`NextUse.victim` over the
+keys of the tenant holding the most bytes there.
+
 :class:`LRU` stays as each tier's use order: the order :meth:`NextUse.victim` reads keys in,
 so that ties, and keys with no recorded use, go least recently used first.
 """
@@ -88,21 +92,37 @@ class NextUse:
     def victim(self, keys: Iterable[str]) -> str | None:
         """The key of ``keys`` (least recently used first) to evict: a key with no recorded use,
         else the most overdue abandoned one, else the one whose next use is due last."""
+        return _best(self._ranks(keys), at_least=0)
+
+    def overdue(self, keys: Iterable[str]) -> str | None:
+        """What :meth:`victim` picks when it is a key with no recorded use or an abandoned one;
+        None when every key of ``keys`` is live."""
+        return _best(self._ranks(keys), at_least=1)
+
+    def _ranks(self, keys: Iterable[str]) -> Iterator[tuple[str, tuple]]:
+        """Each key with its rank, higher leaving sooner: (2,) no recorded use; (1, idle)
+        abandoned; (0, when its next use is due)."""
         now, typical = self.clock(), None
-        best, best_rank = None, None
         for key in keys:
             last = self.last.get(key)
             if last is None:
-                return key
+                yield key, (2,)
+                continue
             if (gap := self.gap.get(key)) is None:
                 if typical is None:
                     typical = self.typical_gaps()
                 gap = typical.get(tenant_of(key), PRIOR_GAP_S)
             idle = now - last
-            rank = (1, idle) if idle > 2 * gap + SLACK_S else (0, last + gap)
-            if best_rank is None or rank > best_rank:
-                best, best_rank = key, rank
-        return best
+            yield key, (1, idle) if idle > 2 * gap + SLACK_S else (0, last + gap)
+
+
+def _best(ranked: Iterator[tuple[str, tuple]], at_least: int) -> str | None:
+    """The key of the highest rank whose class is ``at_least`` or more; the first among equals."""
+    best, best_rank = None, None
+    for key, rank in ranked:
+        if rank[0] >= at_least and (best_rank is None or rank > best_rank):
+            best, best_rank = key, rank
+    return best
 
 
 def tenant_of(key: str) -> str:

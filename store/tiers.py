@@ -7,6 +7,11 @@ conversations outgrows the tiers) are demoted one tier down; past the last tier 
 dropped (the token log in Redis can rebuild them). A get from a lower tier promotes the
 blob back to the device tier.
 
+Tenants share the tiers fairly: abandoned sessions go first, whoever's they are; then the
+victim is the session due last of the tenant holding the most bytes in the tier, which is over
+its share (the budget split among the tenants there) whenever the tier is over budget. So a
+tenant opening sessions in volume pushes out its own, not another tenant's live ones.
+
 Host and disk copies carry a checksum; a mismatch or a truncated file is a miss
 (the caller rebuilds), never loaded. Byte accounting is exact: a tier's
 ``bytes_used`` is the sum of the bytes it stores.
@@ -30,6 +35,7 @@ from pathlib import Path
 import torch
 
 from kvsnap.policies import LRU, NextUse
+from kvsnap.policies.eviction import tenant_of
 from kvsnap.policies.kivi import KIVI
 
 from .blobs import KVBlob, blob_from_bytes, blob_to_bytes
@@ -274,7 +280,7 @@ class TieredStore:
     def _enforce_budgets(self) -> None:
         for i, tier in enumerate(self.tiers):
             while tier.bytes_used > tier.budget:
-                victim = self.order.victim(tier.lru)  # least recently used first: ties go to it
+                victim = self._victim(tier)
                 blob = tier.take(victim, raw=True)
                 if i + 1 < len(self.tiers) and blob is not None:
                     self.tiers[i + 1].put(victim, blob)
@@ -288,6 +294,19 @@ class TieredStore:
                 else:
                     self.stats.dropped += 1
                     log.info("tiers: dropped the KV of %s (every tier full); it will be rebuilt", victim)
+
+    def _victim(self, tier: Tier) -> str | None:
+        """The key to move out of ``tier`` (over its budget): a key with no recorded use or an
+        abandoned one, any tenant's; else the one due last of the tenant holding the most bytes
+        there (keys in use order: ties go to the least recently used)."""
+        keys = list(tier.lru)
+        if (key := self.order.overdue(keys)) is not None:
+            return key
+        held: Counter[str] = Counter()
+        for key in keys:
+            held[tenant_of(key)] += tier.sizes.get(key, 0)
+        heaviest = max(held, key=held.__getitem__, default=None)  # the first of equals, in use order
+        return self.order.victim([k for k in keys if tenant_of(k) == heaviest])
 
 
 def build_store(

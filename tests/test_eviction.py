@@ -119,6 +119,38 @@ def test_another_tenants_quick_turns_do_not_make_a_tenants_sessions_look_abandon
     assert order.victim(["acme/chat", "evil/old"]) == "evil/old"
 
 
+def test_a_tenant_opening_sessions_in_volume_pushes_out_its_own_not_anothers():
+    clock = Clock()
+    tiers = store(clock, 4, 4)
+    for _ in range(2):  # acme: three chats, a turn each every 100 s
+        for s in range(3):
+            tiers.put(f"acme/c{s}", blob())
+            clock.now += 1
+        clock.now += 97
+    for i in range(20):  # another tenant opens 20 sessions, a second apart, one turn each
+        tiers.put(f"flood/s{i}", blob())
+        clock.now += 1
+    # by the due times alone acme's chats (due in ~80 s) would go before the flood's (seen once:
+    # due 60 s after their turn); by tenant, the flood is over its share of each tier and goes
+    assert [tiers.tier_of(f"acme/c{s}") for s in range(3)] == ["device", "device", "host"]
+    assert tiers.sessions_by_tier() == {"device": 4, "host": 4}
+    assert tiers.stats.dropped == 15  # the flood's own: 5 of its 20 kept in the 5 places left
+
+
+def test_an_abandoned_session_goes_first_whoever_holds_the_most():
+    clock = Clock()
+    tiers = store(clock, 4, 0)
+    tiers.put("small/old", blob())
+    clock.now += 10
+    tiers.put("small/old", blob())  # a 10 s gap, then idle
+    clock.now += 2 * 10 + SLACK_S + 1
+    for i in range(3):
+        tiers.put(f"big/s{i}", blob())
+    tiers.put("big/s3", blob())  # over budget: big holds the most, but small/old is abandoned
+    assert tiers.take_moves() == {"small/old": "dropped"}
+    assert sorted(tiers.tiers[0].sizes) == ["big/s0", "big/s1", "big/s2", "big/s3"]
+
+
 def test_lru_is_still_a_plain_use_order():
     lru = LRU()
     for key in ("a", "b", "c", "a"):
