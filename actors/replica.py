@@ -132,6 +132,7 @@ class WorkerReplica:
         own = loaded.dtype == torch.bfloat16 and loaded.device.type == "cpu"
         if own and engine.prefixes is not None:
             block_copy.kernel()
+        engine.span_table()  # the defaults keep sentence spans: the first turn would build it mid-step
         kinds = (("one-token", kernels.kernel), ("AMX chunk", chunk_kernel.kernel))
         found = [name for name, built in kinds if own and built() is not None]
         attention = " and ".join(found) + " attention kernels" if found else "torch attention"

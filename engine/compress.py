@@ -114,9 +114,14 @@ class Compression:
         rows kept from earlier turns, a span each, then the rows of ``tokens`` (engine/spans.py)."""
         if not policy.keeps_spans:
             return None
-        if self._span_ends is None:  # which tokens end a span: built once
+        return layer_spans(self.span_table(), old_rows, tokens)
+
+    def span_table(self) -> bytes:
+        """Which tokens end a span (engine/spans.py), built on first use: 0.05-0.4 s on the
+        embedded models' vocabularies, which a replica spends at start, not in a first turn."""
+        if self._span_ends is None:
             self._span_ends = span_ends(self.tokenizer, self.vocab_size)
-        return layer_spans(self._span_ends, old_rows, tokens)
+        return self._span_ends
 
     def surrogate(self, kind: str) -> Surrogate:
         """This model's KVzap surrogate of ``kind`` (policies/kvzap_weights/); InvalidArgument,

@@ -13,6 +13,8 @@ text with no punctuation does not become one span that takes the whole budget.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 MAX_SPAN = 48
@@ -23,13 +25,19 @@ def span_ends(tokenizer, vocab_size: int) -> bytes:
     """One byte a token id (``vocab_size`` of them): 1 for a token after which a span ends. A
     byte string, not a tensor: :func:`span_ids` reads it once a token, in a Python loop."""
     known = min(vocab_size, len(tokenizer)) if hasattr(tokenizer, "__len__") else vocab_size
-    ids = list(range(known))
-    if hasattr(tokenizer, "batch_decode"):
-        texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        # a fast tokenizer's own batch, in Rust, of one-token ranges: ranges are no objects the
+        # garbage collector tracks, where 49K one-item lists set off collections over a loaded
+        # model's heap (0.27 s of the 0.5 s this took); 0.05 s for SmolLM2's vocabulary
+        texts = backend.decode_batch([range(i, i + 1) for i in range(known)], skip_special_tokens=False)
+    elif hasattr(tokenizer, "batch_decode"):  # (its clean-up of spaces moves no punctuation)
+        texts = tokenizer.batch_decode([[i] for i in range(known)], skip_special_tokens=False)
     else:  # the tiny presets' byte tokenizer
-        texts = [tokenizer.decode([i]) for i in ids]
+        texts = [tokenizer.decode([i]) for i in range(known)]
+    punctuation = re.compile("[" + re.escape("".join(ENDS)) + "]")
     ends = bytearray(vocab_size)
-    ends[:known] = bytes(any(c in text for c in ENDS) for text in texts)
+    ends[:known] = bytes(punctuation.search(text) is not None for text in texts)
     for special in getattr(tokenizer, "all_special_ids", None) or ():
         if 0 <= special < vocab_size:
             ends[special] = 1

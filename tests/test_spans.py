@@ -88,3 +88,17 @@ def test_engine_selects_by_spans_and_a_rebuild_replays_it_exactly(llama_engine):
     for a, b in zip(rebuilt.cache.layers, spanned.cache.layers, strict=True):
         torch.testing.assert_close(a.keys, b.keys)
     assert all(len(a) == 6 for a in answers)
+
+
+def test_the_span_table_from_the_fast_tokenizers_batch_is_the_one_decoding_each_token_gives():
+    from kvsnap.engine.models import tokenizer_for
+    from kvsnap.engine.spans import ENDS as PUNCTUATION
+
+    tok = tokenizer_for("smollm2-135m")  # converted once into ~/.cache/kvsnap, as test_chat_template's
+    table = span_ends(tok, len(tok))  # the backend's own batch
+    texts = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=False)
+    slow = bytearray(any(c in text for c in PUNCTUATION) for text in texts)
+    for special in tok.all_special_ids:
+        slow[special] = 1
+    assert table == bytes(slow)
+    assert 100 < sum(table) < len(tok) // 2  # punctuation tokens, specials: some, far from all
