@@ -1,11 +1,11 @@
 """Conversation matching for the OpenAI routes: which session a request continues, and from
 where.
 
-- Implicit sessions (no session header): the session of this tenant and scope whose
-  conversation (chat) the messages extend, or whose text (completions) the prompt extends or
-  shares the most of, by the directory's digests (store/conversations.py), checked here
-  against the session's own log and settings; when the matched one is refused before any
-  output, a session of the request's own.
+- Implicit sessions (no session header): the sessions of this tenant and scope whose
+  conversation (chat) the messages extend, or the one whose text (completions) the prompt
+  extends or shares the most of, by the directory's digests (store/conversations.py), checked
+  here against each session's own log and settings; when every match is refused before any
+  output (busy, changed), a session of the request's own.
 - Histories: where a request that departs from its session's log still shares it (the last
   turn boundary; for raw completions also the end of a turn's prompt), so the session can be
   taken back there (a rewind, actors/rewinds.py).
@@ -24,19 +24,20 @@ from .api import SessionAPI
 
 
 async def match_chat(api: SessionAPI, tenant: str, scope: str, messages: list[dict], settings: dict | None):
-    """(session id, its messages, its version) of this tenant's implicit session whose
-    conversation ``messages`` extend with a user message, by content; None when there is none,
-    or when the request's settings are not the session's (they apply when a session opens)."""
-    sid = await asyncio.to_thread(api.directory.match_conversation, tenant, scope, messages[:-1])
-    if sid is None:
-        return None
-    entry = await asyncio.to_thread(api.directory.get, tenant, sid)
-    if entry is None or entry.conversation != scope or not same_settings(settings, entry):
-        return None
-    stored = await asyncio.to_thread(api.directory.messages, tenant, sid)
-    if len(messages) <= len(stored) or messages[: len(stored)] != stored or messages[len(stored)]["role"] != "user":
-        return None
-    return sid, stored, entry.version
+    """Each implicit session of this tenant whose conversation ``messages`` extend with a user
+    message, by content, as (session id, its messages, its version): the longest conversation
+    first, the newest first among equals; none when no session's log is a prefix of them, or
+    when the request's settings are not a session's (they apply when a session opens)."""
+    found = []
+    for sid in await asyncio.to_thread(api.directory.match_conversation, tenant, scope, messages[:-1]):
+        entry = await asyncio.to_thread(api.directory.get, tenant, sid)
+        if entry is None or entry.conversation != scope or not same_settings(settings, entry):
+            continue
+        stored = await asyncio.to_thread(api.directory.messages, tenant, sid)
+        if len(messages) <= len(stored) or messages[: len(stored)] != stored or messages[len(stored)]["role"] != "user":
+            continue
+        found.append((sid, stored, entry.version))
+    return found
 
 
 def same_settings(settings: dict | None, entry) -> bool:
@@ -57,22 +58,30 @@ def same_settings(settings: dict | None, entry) -> bool:
     return True
 
 
-async def resume_or_open(resumed, open_fresh, used: dict, fresh_sid: str):
-    """The events of the resumed session's turn; when it is refused before any output (another
-    turn runs on it, or it changed since it was matched), those of a session of its own."""
+async def resume_or_open(attempts, open_fresh, used: dict, fresh_sid: str):
+    """The events of the first of ``attempts`` ((session id, a function that starts its turn))
+    not refused before any output (another turn runs on it, or it changed or went since it was
+    matched: two identical conversations' next turns at once go one to each session); those of
+    a session of its own (``open_fresh``) when every one is. ``used["sid"]``: the session used."""
+    events = None
     try:
-        try:
-            first = await resumed.__anext__()
-        except (Conflict, NotFound):  # busy, changed, or gone since it was matched
-            await resumed.aclose()
-            used["sid"] = fresh_sid
-            resumed = open_fresh()
-            first = await resumed.__anext__()
+        for sid, start in attempts:
+            used["sid"], events = sid, start()
+            try:
+                first = await events.__anext__()
+                break
+            except (Conflict, NotFound):  # busy, changed, or gone since it was matched
+                await events.aclose()
+                events = None
+        if events is None:
+            used["sid"], events = fresh_sid, open_fresh()
+            first = await events.__anext__()
         yield first
-        async for event in resumed:
+        async for event in events:
             yield event
     finally:
-        await resumed.aclose()
+        if events is not None:
+            await events.aclose()
 
 
 def scope_of(body) -> str:

@@ -91,13 +91,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         conversation = scope if implicit else ""
         return chat(api, tenant, fresh["sid"], messages, sampling, settings, "http", None, body.stream, 0, conversation)
 
-    matched = await match_chat(api, tenant, scope, messages, settings) if implicit else None
-    if matched is None:
+    matched = await match_chat(api, tenant, scope, messages, settings) if implicit else []
+    if not matched:
         return await _openai(open_fresh(), request, fresh, chat=True, stream=body.stream)
-    msid, stored, version = matched
-    used = {"sid": msid}
-    resumed = chat(api, tenant, msid, messages, sampling, settings, "http", stored, body.stream, version)
-    events = resume_or_open(resumed, open_fresh, used, fresh["sid"])
+
+    def resume(sid, stored, version):
+        return sid, lambda: chat(api, tenant, sid, messages, sampling, settings, "http", stored, body.stream, version)
+
+    used = {"sid": matched[0][0]}
+    events = resume_or_open([resume(*m) for m in matched], open_fresh, used, fresh["sid"])
     return await _openai(events, request, used, chat=True, stream=body.stream)
 
 
@@ -136,8 +138,8 @@ async def completions(body: CompletionRequest, request: Request):
         return await _openai(open_fresh(), request, fresh, chat=False, stream=body.stream)
     msid, stored, entry, marks = matched
     used = {"sid": msid}
-    resumed = complete(api, tenant, msid, body.prompt, sampling, settings, "http", stored, body.stream, entry, marks)
-    events = resume_or_open(resumed, open_fresh, used, fresh["sid"])
+    args = (api, tenant, msid, body.prompt, sampling, settings, "http", stored, body.stream, entry, marks)
+    events = resume_or_open([(msid, lambda: complete(*args))], open_fresh, used, fresh["sid"])
     return await _openai(events, request, used, chat=False, stream=body.stream)
 
 

@@ -19,9 +19,6 @@ CONVERSATION_ROLES = {"system", "document", "user", "assistant"}
 RAW_ROLES = {"prompt", "completion"}  # a raw completion session's log
 
 
-AMBIGUOUS = b"*"  # a conversation two sessions hold: matched by neither
-
-
 def conversation_digests(tenant: str, scope: str, messages: list[dict]) -> list[str]:
     """A hash chain over a conversation, seeded with the tenant and a scope (the OpenAI ``user``
     a request names, else "-"): digest ``i`` stands for ``messages[: i + 1]``. What a request
@@ -34,8 +31,8 @@ def conversation_digests(tenant: str, scope: str, messages: list[dict]) -> list[
     return digests
 
 
+CANDIDATES = 4  # sessions kept (newest first) under one conversation or text prefix
 TEXT_BLOCK = 64  # characters: a raw prompt is matched at multiples of this many
-TEXT_CANDIDATES = 4  # sessions kept (newest first) under one text prefix
 TEXT_MAX_BLOCKS = 4096  # a prompt is looked up by its first this many blocks (256K characters)
 
 
@@ -56,15 +53,17 @@ class ConversationIndex:
     :class:`~.directory.SessionDirectory`: its client, key prefix, TTL and ``_call``)."""
 
     def conversation_key(self, tenant: str, digest: str) -> str:
-        return f"{self.prefix}:h:{check_id('tenant', tenant)}:{digest}"
+        return f"{self.prefix}:hc:{check_id('tenant', tenant)}:{digest}"
 
     def register_conversation(self, tenant: str, scope: str, session_id: str, messages: list[dict]) -> None:
         """Record that ``session_id`` holds exactly ``messages`` (an implicit session's log, ending
-        with its answer), so that a request repeating them and adding more resumes it. Expires
-        with the session's TTL; an older state's record stays until then (it no longer matches
-        the session's log, and the edge checks the log). A conversation another session holds
-        too (two users of one key saying the same) becomes ambiguous: matched by neither. A raw
-        completion's log is recorded by its text instead (:meth:`match_text`)."""
+        with its answer), so that a request repeating them and adding more resumes it. Several
+        sessions may hold the same conversation (users of one key saying the same; the same chat
+        again after a restart): the newest :data:`CANDIDATES` are kept under it, and the edge
+        resumes the first whose log the request extends and which is free. Expires with the
+        session's TTL; an older state's record stays until then (it no longer matches the
+        session's log, and the edge checks the log). A raw completion's log is recorded by its
+        text instead (:meth:`match_text`)."""
         if messages and all(m.get("role") in RAW_ROLES for m in messages):
             self._register_text(tenant, scope, session_id, messages)
             return
@@ -72,21 +71,39 @@ class ConversationIndex:
             return
         if any(m.get("role") not in CONVERSATION_ROLES for m in messages):
             return
-        key = self.conversation_key(tenant, conversation_digests(tenant, scope, messages)[-1])
-        taken = not self._call(self.client.set, key, session_id, ex=self.session_ttl_s, nx=True)
-        if taken and self._call(self.client.get, key) not in (session_id.encode(), None):
-            self._call(self.client.set, key, AMBIGUOUS, ex=self.session_ttl_s)
+        self._record([self.conversation_key(tenant, conversation_digests(tenant, scope, messages)[-1])], session_id)
 
-    def match_conversation(self, tenant: str, scope: str, messages: list[dict]) -> str | None:
-        """The implicit session of this tenant and scope whose log is the longest prefix of
-        ``messages`` that ends with an answer; None when there is none (or it is ambiguous)."""
+    def match_conversation(self, tenant: str, scope: str, messages: list[dict]) -> list[str]:
+        """Implicit sessions of this tenant and scope whose log may be a prefix of ``messages``
+        ending with an answer: those recorded under the longest such prefixes that have any (the
+        longest three, newest first within each; the edge checks each one's log)."""
         digests = conversation_digests(tenant, scope, messages)
         ends = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
-        if not ends:
-            return None
-        found = self._call(self.client.mget, [self.conversation_key(tenant, digests[i]) for i in ends])
-        longest = next((sid for sid in reversed(found) if sid), None)
-        return None if longest in (None, AMBIGUOUS) else longest.decode()
+        return self._candidates([self.conversation_key(tenant, digests[i]) for i in ends])
+
+    def _record(self, keys: list[str] | set[str], session_id: str) -> None:
+        """``session_id`` the newest of the sessions recorded under each of ``keys`` (the newest
+        :data:`CANDIDATES` kept), in one round trip."""
+        now, pipe = time.time(), self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.zadd(key, {session_id: now})
+            pipe.zremrangebyrank(key, 0, -CANDIDATES - 1)
+            pipe.expire(key, self.session_ttl_s)
+        self._call(pipe.execute)
+
+    def _candidates(self, keys: list[str]) -> list[str]:
+        """The sessions recorded under the last three of ``keys`` (shortest prefix first) that
+        have any, the longest prefix's first, newest first within each."""
+        if not keys:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.zrevrange(key, 0, CANDIDATES - 1)
+        found = self._call(pipe.execute)
+        out: list[str] = []
+        for ids in [ids for ids in reversed(found) if ids][:3]:
+            out += [sid.decode() for sid in ids if sid.decode() not in out]
+        return out
 
     def text_key(self, tenant: str, digest: str) -> str:
         return f"{self.prefix}:ht:{check_id('tenant', tenant)}:{digest}"
@@ -99,27 +116,12 @@ class ConversationIndex:
         text = "".join(m["content"] for m in messages)
         prompt_end = len(text) - len(messages[-1]["content"]) if messages[-1]["role"] == "completion" else len(text)
         digests = text_digests(tenant, scope, text)
-        now = time.time()
-        pipe = self.client.pipeline(transaction=False)
-        for cut in {len(text) // TEXT_BLOCK, prompt_end // TEXT_BLOCK} - {0}:
-            key = self.text_key(tenant, digests[cut - 1])
-            pipe.zadd(key, {session_id: now})
-            pipe.zremrangebyrank(key, 0, -TEXT_CANDIDATES - 1)
-            pipe.expire(key, self.session_ttl_s)
-        self._call(pipe.execute)
+        cuts = {len(text) // TEXT_BLOCK, prompt_end // TEXT_BLOCK} - {0}
+        self._record({self.text_key(tenant, digests[cut - 1]) for cut in cuts}, session_id)
 
     def match_text(self, tenant: str, scope: str, text: str) -> list[str]:
         """Sessions of this tenant and scope recorded under the longest block prefixes of
         ``text`` that have any (the longest three, newest first within each; the edge checks
         each one's log): candidates for a raw completion without a session id."""
         digests = text_digests(tenant, scope, text[: TEXT_BLOCK * TEXT_MAX_BLOCKS])
-        if not digests:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for digest in digests:
-            pipe.zrevrange(self.text_key(tenant, digest), 0, TEXT_CANDIDATES - 1)
-        found = self._call(pipe.execute)
-        out: list[str] = []  # the longest prefix's sessions first, then shorter ones' (up to 3 prefixes)
-        for ids in [ids for ids in reversed(found) if ids][:3]:
-            out += [sid.decode() for sid in ids if sid.decode() not in out]
-        return out
+        return self._candidates([self.text_key(tenant, digest) for digest in digests])

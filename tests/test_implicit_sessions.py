@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -107,21 +108,24 @@ def test_a_turn_built_on_an_older_version_is_refused(llama_engine, directory_fac
         worker.stream(TurnRequest("acme", "v", [7], SamplingParams(max_new_tokens=2), expected_version=version))
 
 
-def test_a_refused_resumption_gives_way_to_a_new_session():
+def test_a_refused_resumption_gives_way_to_the_next_match_then_to_a_new_session():
     async def refused():
         raise Conflict("another turn on this session is in progress")
         yield  # an async generator
 
-    async def fresh():
-        yield {"text": "hi"}
+    async def answer(text):
+        yield {"text": text}
         yield {"done": True}
 
-    used = {"sid": "matched"}
+    async def run(attempts, used):
+        return [e async for e in resume_or_open(attempts, lambda: answer("fresh"), used, "new-one")]
 
-    async def run():
-        return [e async for e in resume_or_open(refused(), fresh, used, "new-one")]
-
-    assert asyncio.run(run()) == [{"text": "hi"}, {"done": True}] and used["sid"] == "new-one"
+    used = {"sid": "busy"}
+    events = asyncio.run(run([("busy", refused), ("free", lambda: answer("resumed"))], used))
+    assert events == [{"text": "resumed"}, {"done": True}] and used["sid"] == "free"
+    used = {"sid": "busy"}
+    events = asyncio.run(run([("busy", refused), ("also-busy", refused)], used))
+    assert events == [{"text": "fresh"}, {"done": True}] and used["sid"] == "new-one"
 
 
 def test_the_session_header_names_are_configuration(service):
@@ -177,19 +181,47 @@ def test_openai_users_of_one_key_keep_their_own_conversations(service):
     assert resumed["kvsnap"]["session_id"] == a1["kvsnap"]["session_id"]
 
 
-def test_a_conversation_two_sessions_hold_resumes_neither(service, llama_engine):
+def test_a_conversation_several_sessions_hold_lists_them_newest_first(service):
     directory = SessionDirectory(service.redis_url)
     messages = [
-        {"role": "system", "content": "x"},
+        {"role": "system", "content": f"x {uuid.uuid4().hex}"},
         {"role": "user", "content": "q"},
         {"role": "assistant", "content": "a"},
     ]
     directory.register_conversation("alpha", "-", "one", messages)
-    assert directory.match_conversation("alpha", "-", [*messages, {"role": "user", "content": "q2"}]) == "one"
-    directory.register_conversation("alpha", "-", "one", messages)  # the same session again: still it
-    assert directory.match_conversation("alpha", "-", messages) == "one"
-    directory.register_conversation("alpha", "-", "two", messages)  # another session, the same words
-    assert directory.match_conversation("alpha", "-", messages) is None
+    assert directory.match_conversation("alpha", "-", [*messages, {"role": "user", "content": "q2"}]) == ["one"]
+    directory.register_conversation("alpha", "-", "one", messages)  # the same session again: still it, once
+    assert directory.match_conversation("alpha", "-", messages) == ["one"]
+    for n in range(2, 7):  # other sessions, the same words: the newest four are kept
+        directory.register_conversation("alpha", "-", f"s{n}", messages)
+    assert directory.match_conversation("alpha", "-", messages) == ["s6", "s5", "s4", "s3"]
+    longer = [*messages, {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+    directory.register_conversation("alpha", "-", "one", longer)
+    assert directory.match_conversation("alpha", "-", longer) == ["one", "s6", "s5", "s4", "s3"]  # the longest first
+    assert directory.match_conversation("beta", "-", messages) == []
+    assert directory.match_conversation("alpha", "u:ann", messages) == []
+
+
+def test_identical_conversations_each_resume_a_session(service, llama_engine):
+    """Two users of one key send the same chat (a "summarize this" button): each follow-up
+    resumes a session holding that conversation, both at once too, and a third chat repeating
+    it after both moved on opens its own."""
+    doc = f"{DOC} Same words {uuid.uuid4().hex}."
+    first = [{"role": "system", "content": doc}, {"role": "user", "content": QUESTIONS[0]}]
+    one, two = ask(service, first), ask(service, first)
+    assert one["kvsnap"]["source"] == two["kvsnap"]["source"] == "new"
+    sids = {one["kvsnap"]["session_id"], two["kvsnap"]["session_id"]}
+    answer = one["choices"][0]["message"]["content"]
+    assert two["choices"][0]["message"]["content"] == answer  # greedy, the same prompt
+    follow = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": QUESTIONS[1]}]
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda _: ask(service, follow), range(2)))
+    assert {b["kvsnap"]["session_id"] for b in both} == sids  # one each, though sent at once
+    assert all(b["kvsnap"]["source"] != "new" for b in both)
+    doc_tokens = len(llama_engine.tokenizer.encode(doc))
+    assert all(b["usage"]["prompt_tokens"] < doc_tokens // 2 for b in both)  # only the new messages prefilled
+    third = ask(service, follow)  # both sessions hold a longer conversation now
+    assert third["kvsnap"]["source"] == "new" and third["kvsnap"]["session_id"] not in sids
 
 
 def complete(service, prompt: str, key: str = "key-alpha", **kvsnap) -> dict:
