@@ -4,6 +4,7 @@ once ``/v1/models`` answers, both serving the folder kvsnap converts an embedded
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -53,13 +54,19 @@ class Server:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def stop(self) -> None:
+        """SIGTERM to the server alone, which shuts down what it started (kvsnap its Ray cluster
+        and Redis, vLLM its engine): a SIGTERM to the whole group at once killed Ray's processes
+        under kvsnap's shutdown and left Serve's haproxy running into the next workload. Then
+        SIGKILL to whatever of its process group is left."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.terminate()
             try:
                 self.proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.kill()
                 self.proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 def _auth() -> dict:
