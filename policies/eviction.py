@@ -16,9 +16,8 @@ recently used first, so idle sessions do not hold the tiers. The median is the t
 (keys are ``tenant/...``): another tenant's quick turns do not make a tenant's sessions look
 abandoned sooner.
 
-The tier store (store/tiers.py) also shares the tiers between tenants: it asks
-:meth:`NextUse.overdue` over all of a tier's keys first, then :meth:`NextUse.victim` over the
-keys of the tenant holding the most bytes there.
+The tier store (store/tiers.py) also shares the tiers between tenants: it passes each key's
+bytes, and a live victim is then the one due last of the tenant holding the most bytes.
 
 :class:`LRU` stays as each tier's use order: the order :meth:`NextUse.victim` reads keys in,
 so that ties, and keys with no recorded use, go least recently used first.
@@ -28,8 +27,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 PRIOR_GAP_S = 60.0  # a user's time between turns, before any session has shown its own
 SLACK_S = 30.0  # idle this much past twice its gap: abandoned, not just slow to reply
@@ -89,15 +88,19 @@ class NextUse:
             by_tenant[tenant_of(key)].append(gap)
         return {tenant: statistics.median(gaps) for tenant, gaps in by_tenant.items()}
 
-    def victim(self, keys: Iterable[str]) -> str | None:
+    def victim(self, keys: Iterable[str], sizes: Mapping[str, int] | None = None) -> str | None:
         """The key of ``keys`` (least recently used first) to evict: a key with no recorded use,
-        else the most overdue abandoned one, else the one whose next use is due last."""
-        return _best(self._ranks(keys), at_least=0)
-
-    def overdue(self, keys: Iterable[str]) -> str | None:
-        """What :meth:`victim` picks when it is a key with no recorded use or an abandoned one;
-        None when every key of ``keys`` is live."""
-        return _best(self._ranks(keys), at_least=1)
+        else the most overdue abandoned one, else the one whose next use is due last. With
+        ``sizes`` (each key's bytes in the tier) that last one is the heaviest tenant's: the
+        tenant holding the most bytes, over its share whenever the tier is over budget."""
+        ranked = list(self._ranks(keys))
+        if sizes is not None and _best(ranked, at_least=1) is None:
+            held: Counter[str] = Counter()
+            for key, _ in ranked:
+                held[tenant_of(key)] += sizes.get(key, 0)
+            heaviest = max(held, key=held.__getitem__, default=None)  # the first of equals, in use order
+            ranked = [(key, rank) for key, rank in ranked if tenant_of(key) == heaviest]
+        return _best(ranked, at_least=0)
 
     def _ranks(self, keys: Iterable[str]) -> Iterator[tuple[str, tuple]]:
         """Each key with its rank, higher leaving sooner: (2,) no recorded use; (1, idle)
@@ -116,7 +119,7 @@ class NextUse:
             yield key, (1, idle) if idle > 2 * gap + SLACK_S else (0, last + gap)
 
 
-def _best(ranked: Iterator[tuple[str, tuple]], at_least: int) -> str | None:
+def _best(ranked: Iterable[tuple[str, tuple]], at_least: int) -> str | None:
     """The key of the highest rank whose class is ``at_least`` or more; the first among equals."""
     best, best_rank = None, None
     for key, rank in ranked:

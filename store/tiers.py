@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 
 from kvsnap.policies import LRU, NextUse
-from kvsnap.policies.eviction import tenant_of
 from kvsnap.policies.kivi import KIVI
 
 from .blobs import KVBlob, blob_from_bytes, blob_to_bytes
@@ -280,7 +279,7 @@ class TieredStore:
     def _enforce_budgets(self) -> None:
         for i, tier in enumerate(self.tiers):
             while tier.bytes_used > tier.budget:
-                victim = self._victim(tier)
+                victim = self.order.victim(tier.lru, tier.sizes)  # tenants share the tier
                 blob = tier.take(victim, raw=True)
                 if i + 1 < len(self.tiers) and blob is not None:
                     self.tiers[i + 1].put(victim, blob)
@@ -294,19 +293,6 @@ class TieredStore:
                 else:
                     self.stats.dropped += 1
                     log.info("tiers: dropped the KV of %s (every tier full); it will be rebuilt", victim)
-
-    def _victim(self, tier: Tier) -> str | None:
-        """The key to move out of ``tier`` (over its budget): a key with no recorded use or an
-        abandoned one, any tenant's; else the one due last of the tenant holding the most bytes
-        there (keys in use order: ties go to the least recently used)."""
-        keys = list(tier.lru)
-        if (key := self.order.overdue(keys)) is not None:
-            return key
-        held: Counter[str] = Counter()
-        for key in keys:
-            held[tenant_of(key)] += tier.sizes.get(key, 0)
-        heaviest = max(held, key=held.__getitem__, default=None)  # the first of equals, in use order
-        return self.order.victim([k for k in keys if tenant_of(k) == heaviest])
 
 
 def build_store(

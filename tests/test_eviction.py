@@ -26,7 +26,7 @@ def blob() -> KVBlob:
 def store(clock: Clock, device: int, host: int, order: str = "next_use") -> TieredStore:
     tiers = TieredStore([DeviceTier(device * BLOB_BYTES), HostTier(host * BLOB_BYTES)], NextUse(clock))
     if order == "lru":  # what the store did before: the least recently used key, always
-        tiers.order.victim = lambda keys: next(iter(keys), None)
+        tiers.order.victim = lambda keys, sizes=None: next(iter(keys), None)
     return tiers
 
 
