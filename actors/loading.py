@@ -79,7 +79,7 @@ class Loading:
                 f"token log of {entry.session_id!r} has {len(transcript)} tokens, expected {entry.log_len}; retry"
             )
         if transcript:
-            self.model_work(self.engine.rebuild, session, transcript, entry.logical_len or len(transcript), marks)
+            self.replay(session, transcript, entry.logical_len or len(transcript), marks)
 
     def _log(self, entry: SessionEntry) -> tuple[list[int], list[TurnMark]]:
         """The session's token log and turn marks, from the directory."""

@@ -66,7 +66,7 @@ class Rewinds:
         else:
             kept_messages = messages[: bounds[keep - 1]]
         session = self.engine.new_session(policy, entry.recompress, entry.session_id)
-        self.model_work(self.engine.rebuild, session, tokens[:start], kept[-1].logical_len, kept)
+        self.replay(session, tokens[:start], kept[-1].logical_len, kept)
         session.turns = turns
         self.counters["rewinds"] += 1
         return session, kept_messages, start

@@ -53,17 +53,17 @@ class SessionStore(Loading, Rewinds, Liveness):
         self.held: dict[str, Held] = {}
         self.counters: Counter = Counter()  # rebuilds, tier hits, imports, offline turns, resyncs, conflicts
         self.lock = threading.RLock()  # the held map and the tiers
-        # model work outside any turn (a rebuild): under this store's own model lock, unless a
-        # worker hands it to its scheduler (Scheduler.call: between steps, on the model's thread)
+        # a lost session's turns replayed (engine/replay.py): alone under this store's own model
+        # lock, unless a worker replays them in its batch (Worker._replay)
         self.model_lock = threading.RLock()
-        self.model_work = self._under_model_lock
+        self.replay = self._replay_alone
         self.claims = Claims()  # sessions with a turn in progress
         self.claimed, self.wait_idle = self.claims.claimed, self.claims.wait_idle
         self.draining = False  # set by a drain: turns on held sessions are refused, new sessions not
 
-    def _under_model_lock(self, fn, *args):
+    def _replay_alone(self, session: Session, transcript: list[int], logical_len: int, marks: list) -> None:
         with self.model_lock:
-            return fn(*args)
+            self.engine.rebuild(session, transcript, logical_len, marks)
 
     # -- one turn: checkout and checkin --------------------------------------------------
     @contextmanager
@@ -88,7 +88,7 @@ class SessionStore(Loading, Rewinds, Liveness):
             if req.keep_turns is not None:  # back to a turn boundary first (replayed, as a rebuild)
                 session, kept, replayed = self.rewound(req.key, entry, req.keep_turns, req.keep_prompt)
                 yield Lease(claim, entry, session, "rewound", kept, replayed)
-            else:  # a rebuild takes the model between the scheduler's steps
+            else:  # a rebuild replays the session in the batch (Worker._replay)
                 session, source = self.load(req.key, entry)
                 yield Lease(claim, entry, session, source)
 

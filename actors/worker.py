@@ -27,7 +27,7 @@ from kvsnap.engine.engine import Engine, TurnResult, TurnStream
 from kvsnap.engine.models import dtype_name
 from kvsnap.engine.sampling import SamplingParams
 from kvsnap.engine.scheduler import Job, Scheduler
-from kvsnap.engine.session import Session
+from kvsnap.engine.session import Session, TurnMark
 from kvsnap.errors import Unavailable
 from kvsnap.policies import Policy
 from kvsnap.store.directory import SessionDirectory, SessionEntry
@@ -59,7 +59,7 @@ class Worker:
         self.directory, self.store, self.counters = directory, store, self.sessions.counters
         self._model = threading.RLock()  # the model: held by the scheduler for each step and each rebuild
         self.scheduler = Scheduler(engine, self._model, max_batch=max_batch, step_tokens=step_tokens, threads=threads)
-        self.sessions.model_work = self.scheduler.call  # rebuilds on the steps' thread and OpenMP team
+        self.sessions.replay = self._replay  # a lost session's turns replayed in the batch
         self._stop = threading.Event()
         self._resume: threading.Timer | None = None  # ends a drain (see drain)
         try:
@@ -90,7 +90,7 @@ class Worker:
         work on a bad request); tokens come as the stream is iterated. The stream holds the
         session's claim until it ends or is closed; it commits what was generated either way."""
         fresh = self._new(req) if req.new_session is not None else None
-        with self.sessions.checkout(req, fresh) as lease:  # a rebuild takes the model between steps
+        with self.sessions.checkout(req, fresh) as lease:  # a rebuild runs in the batch meanwhile
             turn = self.engine.start(lease.session, self._unmarked(req, lease.session), req.sampling)
         job = self.scheduler.job(turn)  # submitted when the stream is first iterated
         out = TurnStream(source=lease.source, on_close=lease.claim.release, detok=job, cancel=job.cancel)
@@ -137,6 +137,17 @@ class Worker:
                 pass
             self.publish_prefixes()  # at once, not at the next heartbeat (a hint: never raises)
         return prefixes.known(tenant, tokens[:n])
+
+    def _replay(self, session: Session, transcript: list[int], logical_len: int, marks: list[TurnMark]) -> None:
+        """Rebuild a lost session from its log in the batch: its replay (engine/replay.py) goes on
+        a chunk a step beside the running turns, which keep decoding meanwhile. A log without
+        turn marks (one pass), or a call from the scheduler's own thread, rebuilds between steps."""
+        replay = None if self.scheduler.inline else self.engine.replaying(session, transcript, logical_len, marks)
+        if replay is None:
+            self.scheduler.call(self.engine.rebuild, session, transcript, logical_len, marks)
+            return
+        for _ in self.scheduler.submit(replay):  # no tokens: raises the replay's error, if any
+            pass
 
     def _new(self, req: TurnRequest) -> Session:
         session = self.engine.new_session(req.new_session.policy, req.new_session.recompress, req.session_id)

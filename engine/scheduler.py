@@ -24,7 +24,8 @@ caches may be half-updated: the worker forgets them and rebuilds from the log). 
 turn (client gone) leaves at the next step boundary; one still prefilling finishes its prompt
 first, so that its mark in the log describes a whole prompt.
 
-Consumers (request threads) block on a :class:`Job`; nothing they do touches the model.
+Consumers (request threads) block on a :class:`Job`; nothing they do touches the model. A
+rebuild is a job too: a lost session's logged turns replayed (engine/replay.py, no tokens out).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from concurrent.futures import Future
 
 from kvsnap.errors import Unavailable
 
+from .replay import Replaying
 from .threads import own_threads
 from .turn import Turn
 
@@ -114,7 +116,7 @@ class Scheduler:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.engine = engine
         self.threads = threads
-        self.lock = lock  # the model's: other model work (rebuilds) runs between steps
+        self.lock = lock  # the model's: other model work (a rebuild of an old log) runs between steps
         self.max_batch = max_batch
         self.chunk = engine.prefill_chunk
         self.step_tokens = max(step_tokens or engine.prefill_chunk, 1)  # prompt tokens per step (budget)
@@ -197,7 +199,7 @@ class Scheduler:
         """``fn(*args)`` on the scheduler thread between steps, holding the model's lock, and its
         result: model work outside any turn (a rebuild) runs on the steps' OpenMP team (see
         :func:`.threads.own_threads`). Inline for a scheduler without a thread, or on its own thread."""
-        if self._thread is None or threading.current_thread() is self._thread:
+        if self.inline:
             with self.lock:
                 return fn(*args)
         done: Future = Future()
@@ -212,6 +214,10 @@ class Scheduler:
             except TimeoutError:
                 if not self.alive:
                     raise Unavailable("the worker's scheduler stopped; retry") from None
+
+    @property
+    def inline(self) -> bool:  # work handed to it runs in the caller: no thread, or on it
+        return self._thread is None or threading.current_thread() is self._thread
 
     def run_step(self) -> bool:
         """One step, run by the caller (a scheduler made with ``start=False``); False when idle."""
@@ -232,8 +238,9 @@ class Scheduler:
             self._running.append(job)
 
     def _step(self) -> None:
-        for job in [j for j in self._running if j.cancelled.is_set() and not _mid_prompt(j.turn)]:
-            self._end(job)
+        for job in [j for j in self._running if j.cancelled.is_set()]:
+            if job.turn.prefill is None or not job.turn.prefilling:  # mid-prompt: it finishes the prompt first
+                self._end(job)
         with self.lock:
             rows, owners = self._rows()
             if not rows:
@@ -325,23 +332,16 @@ class Scheduler:
             self._running.remove(job)
         job._events.put((_END, final))
         job.ended.set()
-        self.stats["turns"] += 1
+        self.stats["replays" if isinstance(job.turn, Replaying) else "turns"] += 1
 
     def _count(self, rows: int, tokens: int) -> None:
         if not tokens:
             return
-        self.stats["steps"] += 1
-        self.stats["tokens"] += tokens
-        self.stats["rows"] += rows
+        self.stats.update(steps=1, tokens=tokens, rows=rows)
         if rows:
             self.stats["decode_steps"] += 1
             self.stats[f"batch_le_{_bucket(rows, BATCH_BUCKETS)}"] += 1
         self.stats[f"tokens_le_{_bucket(tokens, TOKEN_BUCKETS)}"] += 1
-
-
-def _mid_prompt(turn: Turn) -> bool:
-    """Started on its prompt and not done with it (a cancel waits for the prompt's end)."""
-    return turn.prefill is not None and turn.prefilling
 
 
 def _bucket(value: int, buckets: tuple[int, ...]) -> str:

@@ -89,6 +89,7 @@ def test_replica_kill_and_redis_wipe_rebuild_the_same_session(spec, tiny_engine,
     second = make_worker(tiny_engine, directory, "w2")
     got = run_turns(second, "s", AFTER[:1])
     assert got[0][1] == "rebuilt" and second.counters["rebuilds"] == 1
+    assert second.scheduler.stats["replays"] == 1  # in the batch (engine/replay.py), not between steps
     # Redis wiped: the holder writes the session (token log and turn marks) back ...
     wiped = list(directory.client.scan_iter(match=f"{directory.prefix}:*"))  # this test's keys only
     assert directory.client.delete(*wiped) and directory.get("acme", "s") is None
