@@ -13,7 +13,9 @@ import itertools
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from kvsnap.actors.turns import TurnRequest
 from kvsnap.engine.prefixes import root_key
@@ -22,6 +24,7 @@ from kvsnap.errors import (
     DeadlineExceeded,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     Unavailable,
 )
 from kvsnap.store.directory import SessionDirectory, check_id
@@ -51,6 +54,7 @@ class SessionAPI(RequestChecks):
         self.defaults = cfg.session_defaults()  # the model's measured defaults, the operator's over them
         self.directory = directory
         self.metrics = metrics
+        self.in_flight: Counter = Counter()  # turns in flight per tenant (turn_slot)
 
     # -- operations ----------------------------------------------------------------------
     async def create(
@@ -164,6 +168,42 @@ class SessionAPI(RequestChecks):
         ``streaming=False`` fetches the whole turn in one call (one Ray round trip instead of
         one per token). A replica that dies before the first event is retried (the router
         then moves the session)."""
+        events = self._stream(req, protocol, streaming)
+        release = self.turn_slot(req.tenant)  # before any model work
+        try:
+            async for event in events:
+                if event.get("done"):
+                    release()  # the turn is over: its place is free before its caller reads the end
+                yield event
+        finally:  # also closed early (the client went away): the worker stops generating now
+            release()
+            await events.aclose()
+
+    def turn_slot(self, tenant: str):
+        """Take one of ``tenant``'s places for a turn in flight through this ingress, at most
+        ``cfg.tenant_turns()`` at once (ResourceExhausted, 429, past them: one tenant's flood
+        cannot take every place the replicas have and leave the other tenants nothing but 429s).
+        Returns the function that gives it back (once, however often it is called)."""
+        cap = self.cfg.tenant_turns()
+        if self.in_flight[tenant] >= cap:
+            raise ResourceExhausted(
+                f"this tenant has {cap} turns in flight, the most one tenant may have at once; "
+                "retry when one of them ends"
+            )
+        self.in_flight[tenant] += 1
+        taken = True
+
+        def release() -> None:
+            nonlocal taken
+            if taken:
+                taken = False
+                self.in_flight[tenant] -= 1
+                if not self.in_flight[tenant]:
+                    del self.in_flight[tenant]
+
+        return release
+
+    async def _stream(self, req: TurnRequest, protocol: str, streaming: bool):
         tenant, sid = req.tenant, req.session_id
         key = req.key if req.new_session is None else self.prefix_route(req.key, tenant, req.tokens)
         started = time.perf_counter()
@@ -244,9 +284,10 @@ class SessionAPI(RequestChecks):
                            cached_tokens=report.get("cached_tokens", 0))  # fmt: skip
 
     async def collect(self, events: AsyncIterator[dict]) -> TurnOutcome:
-        async for event in events:
-            if event.get("done"):
-                return event["outcome"]
+        async with aclosing(events):
+            async for event in events:
+                if event.get("done"):
+                    return event["outcome"]
         raise Unavailable("the worker ended the turn without a result")
 
     def prefix_route(self, key: str, tenant: str, tokens: list[int]) -> str:

@@ -133,6 +133,13 @@ class ServiceConfig(BaseModel):
         32, ge=1, description="requests a replica takes at once: its batch (max_batch) and its queue"
     )
     max_queued_requests: int = Field(16, ge=0, description="requests waiting per deployment before 429")
+    max_tenant_turns: int | None = Field(
+        None,
+        ge=1,
+        description="turns one tenant may have in flight at once through the ingress (429 past it); "
+        "null: three quarters of the requests the workers take before 429 (max_ongoing_requests x "
+        "replicas + max_queued_requests), so that one tenant's flood leaves room for the others",
+    )
     request_timeout_s: float = Field(300.0, gt=0)
     overload_queue_len: int = Field(
         24,
@@ -151,6 +158,12 @@ class ServiceConfig(BaseModel):
     )
     session_ttl_s: int = Field(24 * 3600, ge=1, description="idle sessions expire after this")
     defaults: PolicyDefaults = Field(default_factory=PolicyDefaults)
+
+    def tenant_turns(self) -> int:
+        """The most turns one tenant may have in flight at once (``max_tenant_turns``, or its default)."""
+        if self.max_tenant_turns is not None:
+            return self.max_tenant_turns
+        return max(1, (self.max_ongoing_requests * self.replicas + self.max_queued_requests) * 3 // 4)
 
     def session_defaults(self) -> dict:
         """The settings a session gets where its caller names none: the model's measured

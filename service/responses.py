@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import aclosing
 
 import anyio
 from fastapi import Request
@@ -58,9 +59,10 @@ def api_of(request: Request) -> SessionAPI:
 
 
 async def final(events) -> TurnOutcome:
-    async for event in events:
-        if event.get("done"):
-            return event["outcome"]
+    async with aclosing(events):
+        async for event in events:
+            if event.get("done"):
+                return event["outcome"]
     raise as_kvsnap_error(RuntimeError("turn ended without a result"))
 
 
