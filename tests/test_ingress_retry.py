@@ -10,7 +10,6 @@ import asyncio
 import pytest
 import ray.exceptions
 
-from kvsnap.actors.replica import WorkerReplica
 from kvsnap.actors.worker import Worker
 from kvsnap.errors import Unavailable
 from kvsnap.policies import make_policy
@@ -21,52 +20,31 @@ from kvsnap.service.template import encode_messages
 from kvsnap.store.tiers import build_store
 
 from .conftest import random_tokens
+from .handles import ReplicaHandle
 
 
-class FlakyWorkers:
-    """Stands in for the worker deployment handle (non-streaming calls): runs each turn on a real
-    ``WorkerReplica`` body, after failing the calls named in ``failures`` ("before": the replica
-    dies before the turn runs; "after": it dies after its commit, before the answer arrives)."""
+class FlakyWorkers(ReplicaHandle):
+    """The worker deployment handle, failing the calls named in ``failures`` ("before": the
+    replica dies before the turn runs; "after": it dies after its commit, before the answer
+    arrives)."""
 
     def __init__(self, worker: Worker, failures: list[str]):
-        self.replica = WorkerReplica.__new__(WorkerReplica)  # the replica's methods, no Serve context
-        self.replica.worker, self.replica.worker_id, self.replica.ongoing = worker, worker.worker_id, 0
+        super().__init__(worker)
         self.failures = list(failures)
         self.turn_ids: list[str] = []
 
-    def options(self, **_):
-        return self
-
-    @property
-    def turn_once(self):
-        return self
-
     def remote(self, req):
         self.turn_ids.append(req.turn_id)
+        return super().remote(req)
+
+    async def call(self, req) -> list[dict]:
         failure = self.failures.pop(0) if self.failures else None
-
-        async def call():
-            if failure == "before":
-                raise ray.exceptions.RayActorError()
-            events = self.replica.turn_once(req)
-            if failure == "after":
-                raise ray.exceptions.RayActorError()
-            return events
-
-        return _Response(call())
-
-
-class _Response:
-    """Awaitable and cancellable, like a DeploymentResponse."""
-
-    def __init__(self, coro):
-        self.coro = coro
-
-    def __await__(self):
-        return self.coro.__await__()
-
-    def cancel(self) -> None:
-        self.coro.close()
+        if failure == "before":
+            raise ray.exceptions.RayActorError()
+        events = self.replica.turn_once(req)
+        if failure == "after":
+            raise ray.exceptions.RayActorError()
+        return events
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import asyncio
 
 import pytest
 
-from kvsnap.actors.replica import WorkerReplica
 from kvsnap.actors.worker import Worker
 from kvsnap.errors import ResourceExhausted
 from kvsnap.policies import make_policy
@@ -21,46 +20,22 @@ from kvsnap.service.status import http_status
 from kvsnap.store.tiers import build_store
 
 from .conftest import random_tokens
+from .handles import ReplicaHandle
 
 
-class GatedWorkers:
-    """Stands in for the worker deployment handle (non-streaming calls): each turn runs on a real
-    ``WorkerReplica`` body once ``gate`` opens; ``calls`` counts the turns that reached it."""
+class GatedWorkers(ReplicaHandle):
+    """The worker deployment handle, holding each turn until ``gate`` opens; ``calls`` counts
+    the turns that reached it."""
 
     def __init__(self, worker: Worker):
-        self.replica = WorkerReplica.__new__(WorkerReplica)  # the replica's methods, no Serve context
-        self.replica.worker, self.replica.worker_id, self.replica.ongoing = worker, worker.worker_id, 0
+        super().__init__(worker)
         self.gate = asyncio.Event()
         self.calls = 0
 
-    def options(self, **_):
-        return self
-
-    @property
-    def turn_once(self):
-        return self
-
-    def remote(self, req):
+    async def call(self, req) -> list[dict]:
         self.calls += 1
-
-        async def call():
-            await self.gate.wait()
-            return self.replica.turn_once(req)
-
-        return _Response(call())
-
-
-class _Response:
-    """Awaitable and cancellable, like a DeploymentResponse."""
-
-    def __init__(self, coro):
-        self.coro = coro
-
-    def __await__(self):
-        return self.coro.__await__()
-
-    def cancel(self) -> None:
-        self.coro.close()
+        await self.gate.wait()
+        return self.replica.turn_once(req)
 
 
 @pytest.fixture
