@@ -128,13 +128,14 @@ class WorkerReplica:
         self.ongoing = 0
         pid = os.getpid()
         # bf16 on a CPU: decode rows take the C kernel when it builds here (engine/kernels.py),
-        # prompt chunks the AMX one where the CPU has AMX (engine/chunk_kernel.py), shared prefix
+        # prompt chunks theirs on AMX tiles or AVX-512 BF16 vectors (engine/chunk_kernel.py), shared prefix
         # blocks the C copies (engine/block_copy.py); built now, not mid-step
         own = loaded.dtype == torch.bfloat16 and loaded.device.type == "cpu"
         if own and engine.prefixes is not None:
             block_copy.kernel()
         engine.span_table()  # the defaults keep sentence spans: the first turn would build it mid-step
-        kinds = (("one-token", kernels.kernel), ("AMX chunk", chunk_kernel.kernel))
+        chunk_build = chunk_kernel.builds()[:1] if own else []  # tiles, else vectors
+        kinds = (("one-token", kernels.kernel), (f"chunk ({''.join(chunk_build)})", chunk_kernel.kernel))
         found = [name for name, built in kinds if own and built() is not None]
         attention = " and ".join(found) + " attention kernels" if found else "torch attention"
         # what is here now lives as long as the replica (the model's modules, torch, Ray, Serve:

@@ -1,10 +1,12 @@
-"""A prompt chunk's attention on AMX tiles (engine/chunk_kernel.py) against torch's SDPA, side by
-side in one run on a CPU with AMX: the attention call alone at the shapes a prefill and a later
-chat meet (medians of --reps alternating runs), and whole bf16 prefills of both embedded models
-(--tokens tokens in chunks of 1,024, alternating, medians), with the SDPA path for the same
-engine switched on by leaving the kernel out (what a CPU without AMX runs).
+"""A prompt chunk's attention in C (engine/chunk_kernel.py) against torch's SDPA, side by side in
+one run: the attention call alone at the shapes a prefill and a later chat meet (medians of
+--reps alternating runs), and whole bf16 prefills of both embedded models (--tokens tokens in
+chunks of 1,024, alternating, medians), with the SDPA path for the same engine switched on by
+leaving the kernel out (what a CPU without AMX or AVX-512 BF16 runs). The kernel is the build
+this CPU takes (AMX tiles, else AVX-512 BF16 vectors); the report names it.
 
-    .venv/bin/python bench/amx_bench.py --out docs/results/amx_bench.json
+    .venv/bin/python bench/amx_bench.py --out docs/results/amx_bench.json          # a CPU with AMX
+    .venv/bin/python bench/amx_bench.py --out docs/results/chunk_vectors_bench.json  # AVX-512 BF16 only
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from decode_bench import prefill_s
 from dtype_bench import DOC
 
-from kvsnap.engine import Engine, batch, chunk_kernel, load_model
+from kvsnap.engine import Engine, batch, cbuild, chunk_kernel, load_model
 
 KERNEL = chunk_kernel.kernel
 
@@ -55,16 +57,16 @@ def operator_rows(reps: int) -> list[dict]:
         def sdpa(query=query, keys=keys, values=values, hidden=hidden, scale=scale):
             F.scaled_dot_product_attention(query, keys, values, attn_mask=hidden, scale=scale, enable_gqa=True)
 
-        def amx(query=query, keys=keys, values=values, scale=scale, window=window):
+        def kernel(query=query, keys=keys, values=values, scale=scale, window=window):
             chunk_kernel.attention(query, keys, values, scale, window)
 
-        times = {"sdpa": [], "amx": []}
+        times = {"sdpa": [], "kernel": []}
         for _ in range(3):  # alternating rounds, each a median of reps calls
             times["sdpa"].append(median_ms(sdpa, reps))
-            times["amx"].append(median_ms(amx, reps))
-        sdpa_ms, amx_ms = statistics.median(times["sdpa"]), statistics.median(times["amx"])
-        out.append({"shape": label, "sdpa_ms": round(sdpa_ms, 2), "amx_ms": round(amx_ms, 2),
-                    "speedup": round(sdpa_ms / amx_ms, 2)})  # fmt: skip
+            times["kernel"].append(median_ms(kernel, reps))
+        sdpa_ms, kernel_ms = statistics.median(times["sdpa"]), statistics.median(times["kernel"])
+        out.append({"shape": label, "sdpa_ms": round(sdpa_ms, 2), "kernel_ms": round(kernel_ms, 2),
+                    "speedup": round(sdpa_ms / kernel_ms, 2)})  # fmt: skip
         print(out[-1], flush=True)
     return out
 
@@ -74,19 +76,19 @@ def prefill_rows(models: list[str], tokens: int, reps: int) -> dict:
     for model in models:
         engine = Engine(load_model(model, dtype="bfloat16"), prefill_chunk=1024)
         doc = engine.encode(DOC)[:tokens]
-        times = {"sdpa": [], "amx": []}
+        times = {"sdpa": [], "kernel": []}
         for way in times:  # warm-up, each way
-            batch.chunk_kernel.kernel = KERNEL if way == "amx" else (lambda: None)
+            batch.chunk_kernel.kernel = KERNEL if way == "kernel" else (lambda: None)
             prefill_s(engine, doc[:256])
         for _ in range(reps):
             for way in times:
-                batch.chunk_kernel.kernel = KERNEL if way == "amx" else (lambda: None)
+                batch.chunk_kernel.kernel = KERNEL if way == "kernel" else (lambda: None)
                 times[way].append(prefill_s(engine, doc))
         batch.chunk_kernel.kernel = KERNEL
         row = {}
         for way, runs in times.items():
             row[way] = {"prefill_s": round(statistics.median(runs), 3), "runs_s": [round(x, 3) for x in runs]}
-        row["speedup"] = round(row["sdpa"]["prefill_s"] / row["amx"]["prefill_s"], 2)
+        row["speedup"] = round(row["sdpa"]["prefill_s"] / row["kernel"]["prefill_s"], 2)
         row["tokens_per_s"] = {way: round(tokens / row[way]["prefill_s"]) for way in times}
         out[model] = row
         print(model, row, flush=True)
@@ -102,9 +104,11 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if KERNEL() is None:
-        raise SystemExit("no AMX kernel on this machine (no AMX, no compiler, or KVSNAP_C_KERNELS=0)")
+        raise SystemExit("no chunk kernel here (no AMX or AVX-512 BF16, no compiler, or KVSNAP_C_KERNELS=0)")
     torch.set_num_threads(args.threads)
     report = {"threads": args.threads, "reps": args.reps, "dtype": "bfloat16", "torch": torch.__version__}
+    report["build"] = chunk_kernel.builds()[0]  # tiles or vectors
+    report["cpu"] = cbuild.cpu_model()
     report["operator"] = operator_rows(args.reps)
     report["prefill"] = prefill_rows(args.models.split(","), args.tokens, args.reps)
     if args.out:

@@ -48,6 +48,8 @@ from pathlib import Path
 from peer_decode import decode_alternating
 from peer_servers import KEY, Server, alternate, model_folder, start_kvsnap, start_pair, start_vllm
 
+from kvsnap.engine import cbuild
+
 
 def chats(model: str, count: int, turns: int, doc_tokens: int, seed0: int) -> list[dict]:
     from kvsnap.engine.models import tokenizer_for
@@ -337,7 +339,8 @@ def main() -> None:
             else:
                 both = conversations_alternating(workload, args, work, folder)
                 vllm[workload], ours[workload] = both["vllm"], both["kvsnap"]
-    result = {"model": args.model, "folder": folder, "args": {k: v for k, v in vars(args).items() if k != "out"},
+    result = {"model": args.model, "folder": folder, "cpu": cbuild.cpu_model(), "when": time.strftime("%Y-%m-%d %H:%M"),
+              "args": {k: v for k, v in vars(args).items() if k != "out"},
               "vllm": vllm, "kvsnap": ours, "ratios_kvsnap_over_vllm": compare(vllm, ours)}  # fmt: skip
     print(json.dumps(result["ratios_kvsnap_over_vllm"], indent=1))
     if args.out:

@@ -50,6 +50,16 @@ def cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
 
 
+def cpu_model() -> str:
+    """The CPU's name as Linux reports it (benchmarks record where they ran), or the platform's."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    line = next((line for line in text.splitlines() if line.startswith("model name")), "")
+    return line.partition(":")[2].strip() or platform.processor()
+
+
 def build(name: str, source: str) -> ctypes.CDLL | None:
     """The library of ``source`` (built once per machine), or None where it cannot be had."""
     if not enabled():

@@ -1,6 +1,7 @@
-"""A prompt chunk's attention on AMX tiles (engine/chunk_kernel.py): as close to exact attention
-as torch's SDPA is, the same causal and sliding-window masks, a row's result independent of
-the rows beside it and of the thread count, and the path a bf16 chunk takes on such a CPU."""
+"""A prompt chunk's attention in C (engine/chunk_kernel.py), each build this CPU runs (AMX tiles,
+AVX-512 BF16 vectors): as close to exact attention as torch's SDPA is, the same causal and
+sliding-window masks, a row's result independent of the rows beside it and of the thread count,
+and the path a bf16 chunk takes on such a CPU."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import torch.nn.functional as F
 from kvsnap.engine import cbuild, chunk_kernel, kernels
 from kvsnap.engine.batch import mask
 
-needs_amx = pytest.mark.skipif(chunk_kernel.kernel() is None, reason="no AMX on this CPU (or no compiler): SDPA runs")
+needs_kernel = pytest.mark.skipif(
+    chunk_kernel.kernel() is None, reason="no AMX or AVX-512 BF16 on this CPU (or no compiler): SDPA runs"
+)
+BUILDS = chunk_kernel.builds() or ["tiles"]  # the builds this CPU runs (skipped without one)
 needs_compiler = pytest.mark.skipif(kernels.kernel() is None, reason="no C compiler: no kernel library loads")
 
 
@@ -59,10 +63,11 @@ SHAPES = [
 ]
 
 
-@needs_amx
+@needs_kernel
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "count", "length", "window"), SHAPES)
-def test_kernel_errs_no_more_than_sdpa(heads, kv_heads, dim, count, length, window, flat):
+def test_kernel_errs_no_more_than_sdpa(heads, kv_heads, dim, count, length, window, flat, build):
     """Against float64 attention, the kernel's bf16 output errs no more than SDPA's in bf16 does,
     plus one rounding of the output. ``flat``: a tiny scale makes the weights nearly uniform, so
     a key weighed that should not be (padding, a future row, one outside the window) or one left
@@ -75,32 +80,34 @@ def test_kernel_errs_no_more_than_sdpa(heads, kv_heads, dim, count, length, wind
     sdpa = F.scaled_dot_product_attention(
         query, keys, values, attn_mask=hidden, is_causal=hidden is None and count > 1, scale=scale, enable_gqa=True
     ).transpose(1, 2)
-    got = chunk_kernel.attention(query, keys, values, scale, window)
+    got = chunk_kernel.attention(query, keys, values, scale, window, build)
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     assert torch.isfinite(got).all()
     allowed = (sdpa.double() - want).abs().max() + 2**-8 * want.abs().max()
     assert (got.double() - want).abs().max() <= allowed
 
 
-@needs_amx
-def test_a_querys_result_depends_on_nothing_but_its_own_rows():
+@needs_kernel
+@pytest.mark.parametrize("build", BUILDS)
+def test_a_querys_result_depends_on_nothing_but_its_own_rows(build):
     """The same query gives the same bits in a chunk of 100, of 17 or of 7 (the chunk's last rows,
     the last one a unit of its own in the chunk of 17), and on one thread or two: each query is
     one unit's, over its rows in order."""
     query, keys, values = rows(8, 2, 64, 100, 905, seed=3)
-    whole = chunk_kernel.attention(query, keys, values, 0.125, None)
-    for tail in (17, 7):
-        assert torch.equal(whole[:, -tail:], chunk_kernel.attention(query[:, :, -tail:], keys, values, 0.125, None))
+    whole = chunk_kernel.attention(query, keys, values, 0.125, None, build)
+    for tail in (17, 7, 4):
+        part = chunk_kernel.attention(query[:, :, -tail:], keys, values, 0.125, None, build)
+        assert torch.equal(whole[:, -tail:], part)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1 if before > 1 else 2)
-        other = chunk_kernel.attention(query, keys, values, 0.125, None)
+        other = chunk_kernel.attention(query, keys, values, 0.125, None, build)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(other, whole)
 
 
-@needs_amx
+@needs_kernel
 def test_a_bf16_chunk_takes_the_kernel_and_a_float32_one_sdpa(gemma_engine, gemma_fp32_engine, monkeypatch):
     """In a packed step, a bf16 chunk goes to the kernel (with its layer's window on Gemma 3's
     sliding layers) and the logits stay those of the SDPA path within bf16's drift; float32
