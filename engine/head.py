@@ -29,9 +29,13 @@ rows). Sampled rows (temperature > 0) need every logit and get the fp32 head (``
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from . import amx_linear
+from . import amx_linear, packed
+
+log = logging.getLogger(__name__)
 
 SCREEN_MIN_WEIGHTS = 1 << 22  # a smaller head costs too little for a screen to pay
 SCREEN_MIN_ROWS = 6  # fewer greedy rows: the first pass is fp32 (as fast there: bench/head_bench.py)
@@ -50,11 +54,18 @@ class LMHead:
         if screen is None:
             screen = screen_pays(self.weight, self.bias)
         self.screen = bool(screen) and self.bias is None  # the bound knows no bias
+        self.packed = None  # the head packed for oneDNN: the first pass on a CPU without AMX
         if self.screen:
             weight = self.weight.detach()
             # a bf16 head is its own first pass; an fp32 one gets a bf16 copy
             self.weight_bf16 = weight if weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16)
             self.tiles = amx_linear.takes(self.weight_bf16)  # a few rows' first pass on AMX tiles
+            # elsewhere oneDNN's product with the head packed once, not reordered every call: the
+            # same bits, a second copy of the head (engine/packed.py)
+            if not self.tiles and packed.can_pack(self.weight_bf16):
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight_bf16, packed.ROWS_HINT)
+                size = self.weight_bf16.numel() * 2 / 2**20
+                log.info("the LM head's first pass: its weight packed for oneDNN (%.0f MiB more)", size)
             # |w_v . h| <= |w_v| |h|; in chunks: no fp32 copy of a bf16 head
             self.row_norms = torch.cat([w.float().norm(dim=1) for w in weight.split(EXACT_CHUNK)])
             self.norm_max = float(self.row_norms.max())
@@ -108,9 +119,12 @@ class LMHead:
     def _first_pass(self, rows: torch.Tensor) -> torch.Tensor:
         """bf16 logits of bf16 ``rows``: float32 sums of the products, rounded to bf16 (the bound's
         model), on AMX tiles where they fit (engine/amx_linear.py: no reorder of the head per call,
-        1.4-1.9x faster here), else ``F.linear``."""
+        1.4-1.9x faster here), else oneDNN's product on the head packed once (the same bits as
+        ``F.linear``, which reorders the head every call), else ``F.linear``."""
         if self.tiles and amx_linear.fits(rows):
             return amx_linear.linear(rows, self.weight_bf16)
+        if self.packed is not None:  # 1.2-1.4x a decode step without AMX (docs/BENCHMARKS.md)
+            return torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
         return torch.nn.functional.linear(rows, self.weight_bf16)
 
     def _candidates(self, approx: torch.Tensor, hidden: torch.Tensor, a: float, b: float):

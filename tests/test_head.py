@@ -138,3 +138,19 @@ def test_a_bf16_head_gives_the_exact_argmax_of_its_own_weights():
         hidden = torch.randn(rows, 64).bfloat16()
         exact = (weight.double() @ hidden.double().T).T
         assert head(hidden, [True] * rows).argmax(-1).tolist() == exact.argmax(-1).tolist()
+
+
+def test_without_amx_the_bf16_first_pass_runs_on_the_head_packed_once():
+    """On a CPU without AMX tiles a bf16 head's first pass is oneDNN's product with the head
+    packed once at start-up (F.linear reorders it every call): the same bits, for any row count."""
+    from kvsnap.engine import packed
+
+    weight = torch.randn(1 << 16, 64).bfloat16()
+    head = LMHead(Head(weight), None, screen=True)
+    if head.tiles or not packed.can_pack(weight):
+        assert head.packed is None
+        pytest.skip("AMX tiles take the first pass here, or oneDNN has no bf16 kernels")
+    assert head.packed is not None
+    for rows in (1, 5, 8, 16, 40):
+        hidden = torch.randn(rows, 64).bfloat16()
+        assert torch.equal(head._first_pass(hidden), torch.nn.functional.linear(hidden, weight)), rows
