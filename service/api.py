@@ -283,7 +283,10 @@ class SessionAPI(RequestChecks):
                            replayed_tokens=report.get("replayed_tokens", 0),
                            cached_tokens=report.get("cached_tokens", 0))  # fmt: skip
 
-    async def collect(self, events: AsyncIterator[dict]) -> TurnOutcome:
+    @staticmethod
+    async def collect(events: AsyncIterator[dict]) -> TurnOutcome:
+        """The turn's outcome (its done event's), the event stream closed; a stream that ends
+        without one (its worker went away mid-turn) is Unavailable: the client may retry."""
         async with aclosing(events):
             async for event in events:
                 if event.get("done"):

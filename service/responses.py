@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import aclosing
 
 import anyio
 from fastapi import Request
@@ -15,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from kvsnap.errors import KvsnapError
 
 from .api import SessionAPI
-from .outcomes import TurnOutcome, as_kvsnap_error
+from .outcomes import TurnOutcome
 from .status import error_body
 
 
@@ -59,11 +58,8 @@ def api_of(request: Request) -> SessionAPI:
 
 
 async def final(events) -> TurnOutcome:
-    async with aclosing(events):
-        async for event in events:
-            if event.get("done"):
-                return event["outcome"]
-    raise as_kvsnap_error(RuntimeError("turn ended without a result"))
+    """A non-streaming response's outcome (:meth:`SessionAPI.collect`)."""
+    return await SessionAPI.collect(events)
 
 
 async def first_event(events):

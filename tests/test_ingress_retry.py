@@ -103,3 +103,24 @@ def test_every_turn_has_its_own_id(api_for):
 
 async def _no_wait(_seconds: float) -> None:  # the retry back-off, skipped
     return None
+
+
+@pytest.mark.parametrize("closed_by", ["collect", "final"])
+def test_a_stream_that_ends_without_a_result_is_unavailable_and_closed(closed_by):
+    """A worker stream that stops before its done event (its replica went away mid-turn): the
+    non-streaming paths (``SessionAPI.collect``, ``responses.final``) answer Unavailable (503: the
+    client may retry), and close the stream."""
+    from kvsnap.service import responses
+
+    closed = []
+
+    async def events():
+        try:
+            yield {"t": 1}
+        finally:
+            closed.append(True)
+
+    take = SessionAPI.collect if closed_by == "collect" else responses.final
+    with pytest.raises(Unavailable, match="without a result"):
+        asyncio.run(take(events()))
+    assert closed == [True]
