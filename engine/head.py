@@ -123,7 +123,7 @@ class LMHead:
         ``F.linear``, which reorders the head every call), else ``F.linear``."""
         if self.tiles and amx_linear.fits(rows):
             return amx_linear.linear(rows, self.weight_bf16)
-        if self.packed is not None:  # 1.2-1.4x a decode step without AMX (docs/BENCHMARKS.md)
+        if self.packed is not None:  # a decode step 1.1-1.6x without AMX (docs/BENCHMARKS.md)
             return torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
         return torch.nn.functional.linear(rows, self.weight_bf16)
 
