@@ -31,15 +31,24 @@ def test_snapkv_budget_256_still_finds_the_pass_key(gemma_engine: Engine, depth:
     assert report.full_kv_bytes - report.kv_bytes == saved > 0
 
 
-def test_follow_up_turn_on_the_compressed_session(gemma_engine: Engine):
-    prompt = pass_key_prompt(gemma_engine.tokenizer, target_tokens=1500, depth=0.5, seed=3)
-    session = gemma_engine.new_session(make_policy("snapkv", budget=256, window=32))
-    gemma_engine.turn(session, gemma_engine.encode(prompt.document), SamplingParams(max_new_tokens=1))
-    follow_up = gemma_engine.encode(prompt.question, first=False)
-    result = gemma_engine.turn(session, follow_up, SamplingParams(max_new_tokens=8))
-    assert result.report.prompt_tokens == len(follow_up) + 1  # only the new turn is prefilled
-    assert session.logical_len > 1400 and session.kept_len < 400
-    # The question came after compression (the first turn's observation window was the end of
-    # the filler), yet the pass key planted mid-document is among the rows SnapKV kept: the
-    # follow-up answers it from the compressed cache (greedy: " 41190. Remember" on CPU fp32).
-    assert prompt.answer in result.text, result.text
+def test_follow_up_turns_on_compressed_sessions_answer_the_pass_key(gemma_engine: Engine):
+    """The question comes after compression (the first turn's observation window was the end of
+    the filler), yet the pass key planted mid-document is among the rows SnapKV kept: follow-ups
+    answer it from the compressed caches, prefilling only the new turn.
+
+    Over 8 documents (seeds 3-10), not one: the last digit of a key sits at a near tie for this
+    model in bf16, and kernels that sum in another order move it (seed 3 gave " 41190." with
+    torch's SDPA and the AMX chunk kernel, " 4119." with the AVX-512 BF16 one; measured on the
+    Zen 4: 6 of these 8 with the vector kernel, and full KV's follow-ups, which often start
+    "the key is", answer 4 of 8 within the same 8 tokens)."""
+    answered = []
+    for seed in range(3, 11):
+        prompt = pass_key_prompt(gemma_engine.tokenizer, target_tokens=1500, depth=0.5, seed=seed)
+        session = gemma_engine.new_session(make_policy("snapkv", budget=256, window=32))
+        gemma_engine.turn(session, gemma_engine.encode(prompt.document), SamplingParams(max_new_tokens=1))
+        follow_up = gemma_engine.encode(prompt.question, first=False)
+        result = gemma_engine.turn(session, follow_up, SamplingParams(max_new_tokens=8))
+        assert result.report.prompt_tokens == len(follow_up) + 1  # only the new turn is prefilled
+        assert session.logical_len > 1400 and session.kept_len < 400
+        answered.append(prompt.answer in result.text)
+    assert sum(answered) >= 5, answered
