@@ -134,8 +134,7 @@ class WorkerReplica:
         if own and engine.prefixes is not None:
             block_copy.kernel()
         engine.span_table()  # the defaults keep sentence spans: the first turn would build it mid-step
-        chunk_build = chunk_kernel.builds()[:1] if own else []  # tiles, else vectors
-        kinds = (("one-token", kernels.kernel), (f"chunk ({''.join(chunk_build)})", chunk_kernel.kernel))
+        kinds = (("one-token", kernels.kernel), (f"chunk ({chunk_kernel.build()})", chunk_kernel.kernel))
         found = [name for name, built in kinds if own and built() is not None]
         attention = " and ".join(found) + " attention kernels" if found else "torch attention"
         # what is here now lives as long as the replica (the model's modules, torch, Ray, Serve:

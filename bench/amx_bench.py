@@ -107,7 +107,7 @@ def main() -> None:
         raise SystemExit("no chunk kernel here (no AMX or AVX-512 BF16, no compiler, or KVSNAP_C_KERNELS=0)")
     torch.set_num_threads(args.threads)
     report = {"threads": args.threads, "reps": args.reps, "dtype": "bfloat16", "torch": torch.__version__}
-    report["build"] = chunk_kernel.builds()[0]  # tiles or vectors
+    report["build"] = chunk_kernel.build()  # tiles or vectors
     report["cpu"] = cbuild.cpu_model()
     report["operator"] = operator_rows(args.reps)
     report["prefill"] = prefill_rows(args.models.split(","), args.tokens, args.reps)

@@ -42,22 +42,25 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvsnap" / "kernels"
 
 
-def cpu_flags() -> str:
+def _cpuinfo(starts: tuple[str, ...]) -> str | None:
+    """The first line of /proc/cpuinfo that starts with one of ``starts`` ("" if none), or None
+    where there is no such file."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor()
-    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+        return None
+    return next((line for line in text.splitlines() if line.startswith(starts)), "")
+
+
+def cpu_flags() -> str:
+    line = _cpuinfo(("flags", "Features"))
+    return platform.processor() if line is None else line
 
 
 def cpu_model() -> str:
     """The CPU's name as Linux reports it (benchmarks record where they ran), or the platform's."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    line = next((line for line in text.splitlines() if line.startswith("model name")), "")
-    return line.partition(":")[2].strip() or platform.processor()
+    line = _cpuinfo(("model name",))
+    return (line or "").partition(":")[2].strip() or platform.processor()
 
 
 def build(name: str, source: str) -> ctypes.CDLL | None:

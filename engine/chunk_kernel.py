@@ -71,10 +71,15 @@ def builds() -> list[str]:
 
 
 @functools.cache
+def build() -> str | None:
+    """The build a bf16 chunk takes here: tiles where the CPU has them, else vectors, else None."""
+    return next(iter(builds()), None)
+
+
 def kernel() -> ctypes.CDLL | None:
-    """The kernel a bf16 chunk takes here: tiles where the CPU has them, else vectors, else None."""
-    found = builds()
-    return library(found[0]) if found else None
+    """The library of :func:`build`, or None (SDPA runs)."""
+    chosen = build()
+    return library(chosen) if chosen else None
 
 
 def fits(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:

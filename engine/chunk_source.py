@@ -40,6 +40,8 @@ static void tiles_on(void) {
     _tile_loadconfig(&c);
 }
 
+static void tiles_off(void) { _tile_release(); }
+
 /* Scores of 16 queries (qbuf: rows of D bf16) against `groups` groups of 16 packed keys (kb:
    the block's first group): s[r * KB + key], two accumulator tiles in turn. */
 static void scores(const uint16_t *qbuf, int D, const uint16_t *kb, int groups, int rows, float *s) {
@@ -88,8 +90,7 @@ static void weigh(const uint16_t *p, const uint16_t *vb, int pairs, int D, int r
 #else
 int chunk_init(void) { return 0; }   /* nothing to ask for: the vector registers are every thread's */
 static void tiles_on(void) {}
-static void _tile_release_(void) {}
-#define _tile_release _tile_release_
+static void tiles_off(void) {}
 
 /* The same two products with AVX-512 BF16 (vdpbf16ps: 16 float32 sums of bf16 pairs an
    instruction), for CPUs without tiles. The packed layouts are the tiles' own: a 64-byte row of a
@@ -321,7 +322,7 @@ int chunk_attention(const uint16_t *q, long qsh, long qst, const uint16_t *k, lo
             long g = h / (H / Hkv);
             unit(q, qsh, qst, h, t0, rows, T, L, D, window, scale, kp + g * per_head, vp + g * per_head, out, H);
         }
-        _tile_release();
+        tiles_off();
     }
     free(kp);
     free(vp);

@@ -63,7 +63,7 @@ class LMHead:
             # elsewhere oneDNN's product with the head packed once, not reordered every call: the
             # same bits, a second copy of the head (engine/packed.py)
             if not self.tiles and packed.can_pack(self.weight_bf16):
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight_bf16, packed.ROWS_HINT)
+                self.packed = packed.pack(self.weight_bf16)
                 size = self.weight_bf16.numel() * 2 / 2**20
                 log.info("the LM head's first pass: its weight packed for oneDNN (%.0f MiB more)", size)
             # |w_v . h| <= |w_v| |h|; in chunks: no fp32 copy of a bf16 head
@@ -124,7 +124,7 @@ class LMHead:
         if self.tiles and amx_linear.fits(rows):
             return amx_linear.linear(rows, self.weight_bf16)
         if self.packed is not None:  # a decode step 1.1-1.6x without AMX (docs/BENCHMARKS.md)
-            return torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
+            return packed.product(rows, self.packed)
         return torch.nn.functional.linear(rows, self.weight_bf16)
 
     def _candidates(self, approx: torch.Tensor, hidden: torch.Tensor, a: float, b: float):

@@ -50,6 +50,16 @@ _AMX: weakref.WeakSet[nn.Linear] = weakref.WeakSet()  # modules whose few-row pr
 AMX_MAX_ROWS = amx_linear.MAX_ROWS  # products of more rows run oneDNN (0: every one; benchmarks compare)
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (bf16 ``[N, K]``, one that :func:`can_pack`) reordered once into oneDNN's layout."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
+
+
+def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` by oneDNN on the weight :func:`pack` made: ``F.linear``'s bits."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def is_packed(module: nn.Module) -> bool:
     return module in _PACKED
 
@@ -71,7 +81,7 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return nn.Linear.forward(self, x)
     if self in _AMX and _few_rows(x):
         return amx_linear.linear(x, self.weight)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+    return product(x, packed, self.bias)
 
 
 def products(modules: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tensor]:
@@ -92,7 +102,7 @@ def pack_linears(model: nn.Module) -> int:
         if type(module) is not nn.Linear or module is head or module in _PACKED or not can_pack(module.weight):
             continue
         with torch.no_grad():
-            _PACKED[module] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), ROWS_HINT)
+            _PACKED[module] = pack(module.weight)
         module.forward = types.MethodType(_packed_forward, module)
         added += module.weight.numel() * module.weight.element_size()
         if module.bias is None and amx_linear.takes(module.weight):

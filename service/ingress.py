@@ -30,7 +30,7 @@ from .grpc_server import start_grpc_server
 from .metrics import Metrics
 from .openai import router as openai_router
 from .outcomes import TurnOutcome, state_view
-from .responses import api_of, current, final, served, sse
+from .responses import api_of, current, served, sse
 from .schemas import CreateDocument, CreateSession, DocumentInfo, SessionState, Turn, TurnAnswer
 from .status import error_body, http_status, retry_after
 
@@ -194,7 +194,7 @@ async def session_turn(session_id: str, body: Turn, request: Request):
     )
     if body.stream:
         return await sse(events, lambda e: {"text": e["text"]} if "text" in e else _answer(e["outcome"]), request)
-    return _answer(await final(events))
+    return _answer(await SessionAPI.collect(events))
 
 
 @app.get("/v1/sessions/{session_id}", response_model=SessionState, summary="a session's state")

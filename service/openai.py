@@ -39,7 +39,7 @@ from .matching import (
     with_empty_answers,
 )
 from .outcomes import TurnOutcome, state_view
-from .responses import api_of, current, final, served, sse
+from .responses import api_of, current, served, sse
 from .schemas import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
@@ -295,7 +295,7 @@ async def _openai(events, request: Request, session: dict, chat: bool, stream: b
         }
 
     if not stream:
-        o = await final(events)
+        o = await SessionAPI.collect(events)
         choice = (
             {"index": 0, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason}
             if chat

@@ -14,7 +14,6 @@ from fastapi.responses import StreamingResponse
 from kvsnap.errors import KvsnapError
 
 from .api import SessionAPI
-from .outcomes import TurnOutcome
 from .status import error_body
 
 
@@ -55,11 +54,6 @@ def served(app) -> dict:
 
 def api_of(request: Request) -> SessionAPI:
     return current(request.app).api
-
-
-async def final(events) -> TurnOutcome:
-    """A non-streaming response's outcome (:meth:`SessionAPI.collect`)."""
-    return await SessionAPI.collect(events)
 
 
 async def first_event(events):

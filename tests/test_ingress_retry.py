@@ -105,13 +105,10 @@ async def _no_wait(_seconds: float) -> None:  # the retry back-off, skipped
     return None
 
 
-@pytest.mark.parametrize("closed_by", ["collect", "final"])
-def test_a_stream_that_ends_without_a_result_is_unavailable_and_closed(closed_by):
-    """A worker stream that stops before its done event (its replica went away mid-turn): the
-    non-streaming paths (``SessionAPI.collect``, ``responses.final``) answer Unavailable (503: the
-    client may retry), and close the stream."""
-    from kvsnap.service import responses
-
+def test_a_stream_that_ends_without_a_result_is_unavailable_and_closed():
+    """A worker stream that stops before its done event (its replica went away mid-turn): every
+    non-streaming path (``SessionAPI.collect``: the session, OpenAI and completion routes) answers
+    Unavailable (503: the client may retry), and closes the stream."""
     closed = []
 
     async def events():
@@ -120,7 +117,6 @@ def test_a_stream_that_ends_without_a_result_is_unavailable_and_closed(closed_by
         finally:
             closed.append(True)
 
-    take = SessionAPI.collect if closed_by == "collect" else responses.final
     with pytest.raises(Unavailable, match="without a result"):
-        asyncio.run(take(events()))
+        asyncio.run(SessionAPI.collect(events()))
     assert closed == [True]
