@@ -31,7 +31,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP, Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from . import cbuild
-from .packed import _packed_forward, products
+from .packed import _packed_forward, group, products, ungroup
 
 SOURCE = r"""
 #include <stdint.h>
@@ -196,7 +196,7 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     (engine/packed.py's where packed: the same products, without three module dispatches)."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return type(self).forward(self, x)
-    gate, up = products((self.gate_proj, self.up_proj), x)  # one pass on the AMX tiles where they take both
+    gate, up = products((self.gate_proj, self.up_proj), x)  # one AMX pass or oneDNN call where they take both
     return _packed_forward(self.down_proj, act_mul(gate, up, _activation(self)))
 
 
@@ -215,6 +215,7 @@ def fuse(model: nn.Module) -> int:
             module.forward = types.MethodType(_norm_forward, module)
         elif type(module) in MLPS and _activation(module) is not None:
             module.forward = types.MethodType(_mlp_forward, module)
+            group((module.gate_proj, module.up_proj))  # one oneDNN call for both where they are packed
         else:
             continue
         count += 1
@@ -226,3 +227,5 @@ def unfuse(model: nn.Module) -> None:
     for module in model.modules():
         if "forward" in module.__dict__ and type(module) in (*NORMS, *MLPS):
             del module.forward
+            if type(module) in MLPS:
+                ungroup((module.gate_proj, module.up_proj))

@@ -23,7 +23,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, eager_attention_forward
 
-from . import fused
+from . import fused, packed
 from .batch import BatchCache
 from .packed import _packed_forward, products
 
@@ -42,6 +42,12 @@ def _applies(hidden_states: torch.Tensor, cache) -> bool:
         and hidden_states.shape[0] == 1
         and not _wants_hidden(cache)
     )
+
+
+def _projections(layer: LlamaDecoderLayer) -> tuple[nn.Linear, ...]:
+    """The layer's query, key and value projections: one input, their products taken together."""
+    attn = layer.self_attn
+    return attn.q_proj, attn.k_proj, attn.v_proj
 
 
 def lean_forward(
@@ -63,7 +69,7 @@ def lean_forward(
     residual = hidden_states
     hidden = self.input_layernorm.forward(hidden_states)  # fused.py's where fused
     shape = (*hidden.shape[:-1], -1, attn.head_dim)
-    projected = products((attn.q_proj, attn.k_proj, attn.v_proj), hidden)  # one AMX pass where they take it
+    projected = products(_projections(self), hidden)  # one AMX pass or oneDNN call where they take it
     query, key, value = (p.view(shape).transpose(1, 2) for p in projected)
     query, key = fused.rope(query, key, *position_embeddings)
     if cache is not None:
@@ -91,6 +97,7 @@ def install(model: nn.Module) -> int:
         if type(module) is not LlamaDecoderLayer or "forward" in module.__dict__:
             continue
         module.forward = types.MethodType(lean_forward, module)
+        packed.group(_projections(module))  # one oneDNN call for the three where they are packed
         count += 1
     return count
 
@@ -100,3 +107,4 @@ def uninstall(model: nn.Module) -> None:
     for module in model.modules():
         if type(module) is LlamaDecoderLayer and "forward" in module.__dict__:
             del module.forward
+            packed.ungroup(_projections(module))

@@ -17,6 +17,16 @@ fp16 or CUDA layer.
 On a CPU with AMX, a product of at most :data:`AMX_MAX_ROWS` rows (a decode step's) with a
 weight of the right shape runs engine/amx_linear.py's kernel on the module's own weight instead:
 oneDNN's bits, at memory speed.
+
+Projections of one input that are always called together (a Llama layer's query, key and value
+projections in engine/lean.py; a gated MLP's gate and up projections in engine/fused.py) are
+packed as one weight, their rows stacked (:func:`group`): one oneDNN call per layer instead of
+three (or two), with each output's bits unchanged (every output is the same sum over the same
+input; tests/test_packed.py checks each row count). On a CPU without AMX a decode step's weights
+stream from memory, and one call streams them faster than three: SmolLM2's 30 layers of 8-row
+products take about 12 ms grouped and 19 ms apart here (docs/BENCHMARKS.md, "Grouped
+projections"). A grouped module keeps no packed copy of its own (no more memory than before): called
+alone (transformers' layer, which a capture of the attention input takes) it is ``F.linear``.
 """
 
 from __future__ import annotations
@@ -47,6 +57,13 @@ def can_pack(weight: torch.Tensor) -> bool:
 # models so) finds no entry here and takes the plain product, with the same results.
 _PACKED: weakref.WeakKeyDictionary[nn.Linear, torch.Tensor] = weakref.WeakKeyDictionary()
 _AMX: weakref.WeakSet[nn.Linear] = weakref.WeakSet()  # modules whose few-row products take the tiles
+# a group's first module -> (weak references to the group's modules, their packed stacked weight,
+# each module's output width, the stacked bias or None): see group
+_GROUPS: weakref.WeakKeyDictionary[nn.Linear, tuple] = weakref.WeakKeyDictionary()
+# a group's first module -> weak references to its modules: groups asked for, formed again when
+# pack_linears packs them after unpack_linears (benchmarks compare)
+_WANTED: weakref.WeakKeyDictionary[nn.Linear, tuple] = weakref.WeakKeyDictionary()
+_GROUPED: weakref.WeakSet[nn.Linear] = weakref.WeakSet()  # every module of a group
 AMX_MAX_ROWS = amx_linear.MAX_ROWS  # products of more rows run oneDNN (0: every one; benchmarks compare)
 
 
@@ -61,7 +78,12 @@ def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = N
 
 
 def is_packed(module: nn.Module) -> bool:
-    return module in _PACKED
+    """Packed alone or in a :func:`group`."""
+    return module in _PACKED or module in _GROUPED
+
+
+def is_grouped(module: nn.Module) -> bool:
+    return module in _GROUPED
 
 
 def uses_amx(module: nn.Module) -> bool:
@@ -77,20 +99,59 @@ def _few_rows(x: torch.Tensor) -> bool:
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed = _PACKED.get(self)
-    if packed is None or x.dtype != torch.bfloat16:  # a copy, or another dtype: the plain product
-        return nn.Linear.forward(self, x)
-    if self in _AMX and _few_rows(x):
+    if x.dtype == torch.bfloat16 and self in _AMX and _few_rows(x):
         return amx_linear.linear(x, self.weight)
+    if packed is None or x.dtype != torch.bfloat16:  # a copy, a grouped module, another dtype: the plain product
+        return nn.Linear.forward(self, x)
     return product(x, packed, self.bias)
 
 
 def products(modules: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tensor]:
     """Each module's product with the same ``x`` (a layer's query, key and value projections;
     its gate and up projections): one pass on the AMX tiles where every one of them takes it
-    (:func:`.amx_linear.linears`), else each module's own, with the same bits either way."""
+    (:func:`.amx_linear.linears`), else one oneDNN call where they were packed as a
+    :func:`group` (the outputs are views of its columns), else each module's own; the same bits
+    every way."""
     if all(m in _AMX for m in modules) and _few_rows(x):
         return amx_linear.linears(x, [m.weight for m in modules])
+    stacked = _GROUPS.get(modules[0])
+    if stacked is not None and x.dtype == torch.bfloat16 and _same(stacked[0], modules):
+        _, weight, widths, bias = stacked
+        return list(product(x, weight, bias).split(widths, dim=-1))
     return [_packed_forward(m, x) for m in modules]
+
+
+def _same(refs: tuple, modules: tuple[nn.Linear, ...]) -> bool:
+    return len(refs) == len(modules) and all(r() is m for r, m in zip(refs, modules, strict=False))
+
+
+def group(modules: tuple[nn.Linear, ...]) -> bool:
+    """Pack ``modules`` (projections of one input, each packed by :func:`pack_linears`; for
+    callers that take their products together through :func:`products`) as one stacked weight,
+    in place of their own packed copies. False (nothing changes) unless every one is packed
+    alone, and all or none of them have a bias."""
+    if not all(m in _PACKED for m in modules) or len({m.bias is None for m in modules}) != 1:
+        return False
+    _WANTED[modules[0]] = tuple(weakref.ref(m) for m in modules)
+    with torch.no_grad():
+        weight = pack(torch.cat([m.weight for m in modules]))
+        bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules]).detach()
+    _GROUPS[modules[0]] = (tuple(weakref.ref(m) for m in modules), weight, [m.out_features for m in modules], bias)
+    for m in modules:
+        del _PACKED[m]
+        _GROUPED.add(m)
+    return True
+
+
+def ungroup(modules: tuple[nn.Linear, ...]) -> None:
+    """Undo :func:`group`: each module packed alone again (benchmarks compare both)."""
+    _WANTED.pop(modules[0], None)
+    if _GROUPS.pop(modules[0], None) is None:
+        return
+    with torch.no_grad():
+        for m in modules:
+            _GROUPED.discard(m)
+            _PACKED[m] = pack(m.weight)
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -99,7 +160,7 @@ def pack_linears(model: nn.Module) -> int:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     added = 0
     for module in model.modules():
-        if type(module) is not nn.Linear or module is head or module in _PACKED or not can_pack(module.weight):
+        if type(module) is not nn.Linear or module is head or is_packed(module) or not can_pack(module.weight):
             continue
         with torch.no_grad():
             _PACKED[module] = pack(module.weight)
@@ -107,6 +168,10 @@ def pack_linears(model: nn.Module) -> int:
         added += module.weight.numel() * module.weight.element_size()
         if module.bias is None and amx_linear.takes(module.weight):
             _AMX.add(module)
+    for first in [m for m in model.modules() if m in _WANTED and m not in _GROUPS]:  # asked for before an unpack
+        wanted = tuple(r() for r in _WANTED[first])
+        if None not in wanted:
+            group(wanted)
     return added
 
 
@@ -114,5 +179,7 @@ def unpack_linears(model: nn.Module) -> None:
     """Undo :func:`pack_linears` (benchmarks compare both in one run)."""
     for module in model.modules():
         _AMX.discard(module)
-        if _PACKED.pop(module, None) is not None:
+        _GROUPS.pop(module, None)
+        if _PACKED.pop(module, None) is not None or module in _GROUPED:
+            _GROUPED.discard(module)
             del module.forward
