@@ -57,12 +57,7 @@ def measure(engine: Engine, doc: list[int], rows: dict, args, toggle=PACKING) ->
 
 def grouping(model: torch.nn.Module) -> tuple:
     """``side_by_side``'s toggle for the model's groups of projections: alone, then grouped."""
-    groups = []
-    for module in model.modules():
-        names = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]
-        for found in [tuple(getattr(module, n) for n in ns) for ns in names if hasattr(module, ns[0])]:
-            if packed.is_grouped(found[0]):
-                groups.append(found)
+    groups = packed.groups(model)
     if not groups:
         raise SystemExit("no grouped projections in this model on this CPU: nothing to compare")
 

@@ -35,19 +35,15 @@ def decode_phase(server: Server, model: str, count: int, tokens: int, first: int
 def decode_alternating(args, work: Path, folder: str) -> tuple[dict, dict]:
     """The ``decode`` workload with both servers up, rounds alternating (:func:`.alternate`)."""
     servers = start_pair(args, work, folder, args.fit_kv_gib)
-    warm_up = 1 + args.decode_rounds * args.chats  # prompts no measured round sends
-    try:
-        for server in servers.values():  # a first round each, not counted (both ran it slower)
-            decode_phase(server, args.model, args.chats, args.decode_tokens, warm_up)
-    except BaseException:
-        for server in servers.values():
-            server.stop()
-        raise
+    unsent = 1 + args.decode_rounds * args.chats  # the first prompt no measured round sends
 
     def run(name: str, server: Server, r: int) -> dict:
         return decode_phase(server, args.model, args.chats, args.decode_tokens, 1 + r * args.chats)
 
-    rounds = alternate(servers, args.decode_rounds, run, "decode")
+    def warm_up(server: Server) -> None:  # a first round each, not counted (both ran it slower)
+        decode_phase(server, args.model, args.chats, args.decode_tokens, unsent)
+
+    rounds = alternate(servers, args.decode_rounds, run, "decode", warm_up)
     out = {}
     for name, got in rounds.items():
         out[name] = {

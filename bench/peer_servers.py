@@ -154,12 +154,15 @@ def start_pair(args, work: Path, folder: str, kv_gib: float, prefix_share: float
     return {"vllm": vllm, "kvsnap": ours}
 
 
-def alternate(servers: dict[str, Server], rounds: int, run, label: str) -> dict[str, list[dict]]:
+def alternate(servers: dict[str, Server], rounds: int, run, label: str, warm_up=None) -> dict[str, list[dict]]:
     """``run(name, server, r)`` for rounds ``r`` on both servers, vLLM first in even rounds and
     kvsnap in odd ones, each once the other is idle (:func:`settle`); each result gets the CPU
-    the idle server used meanwhile and the seconds waited for it. Stops both servers."""
+    the idle server used meanwhile and the seconds waited for it. ``warm_up(server)``, if given,
+    runs once on each server first and is not counted. Stops both servers."""
     out: dict[str, list[dict]] = {name: [] for name in servers}
     try:
+        for server in servers.values() if warm_up is not None else ():
+            warm_up(server)
         for r in range(rounds):
             for name in ("vllm", "kvsnap") if r % 2 == 0 else ("kvsnap", "vllm"):
                 other = servers["kvsnap" if name == "vllm" else "vllm"]

@@ -57,12 +57,12 @@ def can_pack(weight: torch.Tensor) -> bool:
 # models so) finds no entry here and takes the plain product, with the same results.
 _PACKED: weakref.WeakKeyDictionary[nn.Linear, torch.Tensor] = weakref.WeakKeyDictionary()
 _AMX: weakref.WeakSet[nn.Linear] = weakref.WeakSet()  # modules whose few-row products take the tiles
-# a group's first module -> (weak references to the group's modules, their packed stacked weight,
-# each module's output width, the stacked bias or None): see group
-_GROUPS: weakref.WeakKeyDictionary[nn.Linear, tuple] = weakref.WeakKeyDictionary()
-# a group's first module -> weak references to its modules: groups asked for, formed again when
-# pack_linears packs them after unpack_linears (benchmarks compare)
+# a group's first module -> weak references to the group's modules: every group asked for (see
+# group), formed again when pack_linears packs them after unpack_linears (benchmarks compare)
 _WANTED: weakref.WeakKeyDictionary[nn.Linear, tuple] = weakref.WeakKeyDictionary()
+# a formed group's first module -> (its packed stacked weight, each module's output width, the
+# stacked bias or None)
+_GROUPS: weakref.WeakKeyDictionary[nn.Linear, tuple] = weakref.WeakKeyDictionary()
 _GROUPED: weakref.WeakSet[nn.Linear] = weakref.WeakSet()  # every module of a group
 AMX_MAX_ROWS = amx_linear.MAX_ROWS  # products of more rows run oneDNN (0: every one; benchmarks compare)
 
@@ -115,14 +115,20 @@ def products(modules: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tens
     if all(m in _AMX for m in modules) and _few_rows(x):
         return amx_linear.linears(x, [m.weight for m in modules])
     stacked = _GROUPS.get(modules[0])
-    if stacked is not None and x.dtype == torch.bfloat16 and _same(stacked[0], modules):
-        _, weight, widths, bias = stacked
+    if stacked is not None and x.dtype == torch.bfloat16 and _members(modules[0]) == modules:
+        weight, widths, bias = stacked
         return list(product(x, weight, bias).split(widths, dim=-1))
     return [_packed_forward(m, x) for m in modules]
 
 
-def _same(refs: tuple, modules: tuple[nn.Linear, ...]) -> bool:
-    return len(refs) == len(modules) and all(r() is m for r, m in zip(refs, modules, strict=False))
+def _members(first: nn.Linear) -> tuple:
+    """The modules of the group asked for with ``first`` (None for one collected since)."""
+    return tuple(r() for r in _WANTED[first])
+
+
+def groups(model: nn.Module) -> list[tuple[nn.Linear, ...]]:
+    """The groups formed among ``model``'s modules (benchmarks take them apart and back)."""
+    return [_members(m) for m in model.modules() if m in _GROUPS]
 
 
 def group(modules: tuple[nn.Linear, ...]) -> bool:
@@ -136,7 +142,7 @@ def group(modules: tuple[nn.Linear, ...]) -> bool:
     with torch.no_grad():
         weight = pack(torch.cat([m.weight for m in modules]))
         bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules]).detach()
-    _GROUPS[modules[0]] = (tuple(weakref.ref(m) for m in modules), weight, [m.out_features for m in modules], bias)
+    _GROUPS[modules[0]] = (weight, [m.out_features for m in modules], bias)
     for m in modules:
         del _PACKED[m]
         _GROUPED.add(m)
@@ -169,8 +175,7 @@ def pack_linears(model: nn.Module) -> int:
         if module.bias is None and amx_linear.takes(module.weight):
             _AMX.add(module)
     for first in [m for m in model.modules() if m in _WANTED and m not in _GROUPS]:  # asked for before an unpack
-        wanted = tuple(r() for r in _WANTED[first])
-        if None not in wanted:
+        if None not in (wanted := _members(first)):
             group(wanted)
     return added
 

@@ -125,6 +125,7 @@ def test_a_bf16_llama_groups_its_projections_and_ungroups_when_uninstalled():
     grouped = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
     grouped += (layer.mlp.gate_proj, layer.mlp.up_proj)
     assert all(is_grouped(m) for m in grouped) and not is_grouped(layer.mlp.down_proj)
+    assert grouped[:3] in packed.groups(model) and grouped[3:] in packed.groups(model)
     ids = torch.tensor([random_tokens(40, seed=3)])
     with torch.inference_mode():
         out = model(ids).logits
