@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)  ## the service: local Ray, embedded Redis, embedded Gemma 3 270M; Ctrl-C stops it
 	$(BIN)/kvsnap serve $(ARGS)
 
-test: $(STAMP) $(AIPERF)  ## the whole test suite, as CI runs it
+test: $(STAMP) $(AIPERF) $(VLLM)  ## the whole test suite, as CI runs it (tests/test_peer.py runs vLLM)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 aiperf: $(AIPERF)  ## aiperf, a third-party load tool, in a virtualenv of its own (its own transformers)
