@@ -20,9 +20,12 @@ Blocks form a tree per tenant: a block's key digests the tenant, its parent's ke
 tokens, so a lookup walks from a prompt's first block, and one tenant's text never reaches
 another tenant's rows (nor their timing: a miss is a miss). A block holds its rows of every
 layer (a sliding-window layer's too, so that a prefix of any number of blocks can start a
-session). Blocks are immutable: a session copies the rows it starts from into its own cache,
-which its own question then compresses. A budget in bytes, least recently used first; a
-block is touched after its descendants, so the least recently used block is always a leaf.
+session), and the queries of those of its tokens its prefill had in its observation window (a
+chunk's last ``window`` tokens), which a later session whose window reaches back into the
+prefix takes instead of prefilling those tokens again (:func:`window_queries`). Blocks are
+immutable: a session copies the rows it starts from into its own cache, which its own question
+then compresses. A budget in bytes, least recently used first; a block is touched after its
+descendants, so the least recently used block is always a leaf.
 """
 
 from __future__ import annotations
@@ -59,7 +62,10 @@ class Block:
     data: list[tuple[torch.Tensor, torch.Tensor]] | torch.Tensor
     children: int = 0
     route: str | None = None  # for the block that ends on the first ``route_tokens``: root_key's name
-    nbytes: int = field(init=False, default=0)  # of ``data``
+    # per full-attention layer, the queries ``[1, H, n, D]`` of the block's last n tokens, where the
+    # prefill that made it had them in its observation window (see :func:`window_queries`)
+    queries: dict[int, torch.Tensor] | None = None
+    nbytes: int = field(init=False, default=0)  # of ``data`` and ``queries``
     addresses: bytes = field(init=False, default=b"")  # int64s in ``rows``' order (engine/cache.py fill_prefix)
     _rows: list[tuple[torch.Tensor, torch.Tensor]] | None = field(init=False, default=None)
 
@@ -72,6 +78,12 @@ class Block:
         else:
             self.nbytes = sum(t.numel() * t.element_size() for kv in self.data for t in kv)
             self.addresses = array("q", [t.data_ptr() for kv in self.data for t in kv]).tobytes()
+        self.nbytes += sum(q.numel() * q.element_size() for q in (self.queries or {}).values())
+
+    @property
+    def queried(self) -> int:
+        """How many of its last tokens' queries it holds."""
+        return next(iter(self.queries.values())).shape[-2] if self.queries else 0
 
     @property
     def rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -83,6 +95,44 @@ class Block:
             else:
                 self._rows = self.data
         return self._rows
+
+
+def covers(blocks: list[Block], block: int, start: int) -> bool:
+    """Whether ``blocks`` (a prefix, ``block`` tokens each) hold the queries of their tokens from
+    ``start`` on (trivially, when they end at or before it)."""
+    for j in range(len(blocks) - 1, -1, -1):
+        first = j * block
+        if (j + 1) * block <= start:
+            return True
+        if blocks[j].queried < block - max(start - first, 0):
+            return False
+    return True
+
+
+def window_queries(blocks: list[Block], block: int, start: int) -> dict[int, torch.Tensor]:
+    """Per layer, the queries ``[1, H, n, D]`` of the prefix's tokens from ``start`` to its end
+    (``blocks`` :func:`covers` them): the part of a prompt's observation window that a session
+    starting from these blocks does not prefill. SnapKV scores a prompt's rows by its window's
+    queries; a token's query depends only on the tokens up to it, so the prefill that made the
+    blocks computed these very queries (within bf16's rounding, as the rows themselves)."""
+    parts = []
+    for j, b in enumerate(blocks):
+        if (j + 1) * block > start:
+            parts.append((b.queries, block - max(start - j * block, 0)))
+    if not parts:
+        return {}
+    return {layer: torch.cat([q[layer][:, :, -n:] for q, n in parts], dim=-2) for layer in parts[0][0]}
+
+
+def _own_queries(queries: tuple[int, dict[int, torch.Tensor]] | None, index: int, block: int):
+    """Copies of the queries of block ``index``'s last tokens in ``queries`` (:meth:`PrefixCache.add_chain`)."""
+    if not queries or not queries[1]:
+        return None
+    first, by_layer = queries
+    start = max(index * block, first)
+    if start >= (index + 1) * block:
+        return None
+    return {layer: q[:, :, start - first : (index + 1) * block - first].clone() for layer, q in by_layer.items()}
 
 
 def block_key(scope: str, parent: bytes | None, tokens: list[int]) -> bytes:
@@ -135,9 +185,11 @@ class PrefixCache:
             parent = block_key(scope, parent, tokens[j * self.block : (j + 1) * self.block])
             yield parent
 
-    def lookup(self, scope: str, tokens: list[int], limit: int) -> list[Block]:
+    def lookup(self, scope: str, tokens: list[int], limit: int, window_from: int | None = None) -> list[Block]:
         """The blocks of the longest known prefix of ``tokens`` no longer than ``limit`` tokens
-        (counted as a hit or a miss)."""
+        (counted as a hit or a miss). ``window_from``: where the prompt's observation window
+        starts; a prefix reaching past it must hold its tokens' queries from there on
+        (:func:`window_queries`)."""
         found: list[Block] = []
         with self._lock:
             for key in self._keys(scope, tokens, max(limit, 0) // self.block):
@@ -145,6 +197,8 @@ class PrefixCache:
                 if block is None:
                     break
                 found.append(block)
+            while window_from is not None and found and not covers(found, self.block, window_from):
+                found.pop()
             self._touch(found)
             self.counters["hits" if found else "misses"] += 1
             self.counters["tokens_reused"] += len(found) * self.block
@@ -168,11 +222,16 @@ class PrefixCache:
         when it is known already, its parent is not (evicted meanwhile), or it does not fit."""
         return self.add_chain(scope, tokens, [rows]) == 1
 
-    def add_chain(self, scope: str, tokens: list[int], blocks: list) -> int:
+    def add_chain(
+        self, scope: str, tokens: list[int], blocks: list, queries: tuple[int, dict[int, torch.Tensor]] | None = None
+    ) -> int:
         """Hold the last ``len(blocks)`` blocks of ``tokens`` (each as :meth:`add`'s ``rows``),
         as a prefill's chunk makes them: those known already are skipped, and the chain stops at
         a block whose parent is not held or that does not fit the budget. The path is touched
-        and the budget kept once, after all. How many of them were added and are held."""
+        and the budget kept once, after all. How many of them were added and are held.
+        ``queries``: ``(first, per layer [1, H, w, D])``, the queries of tokens ``first`` ..
+        ``first + w - 1`` (a prefill's observation window so far, ending at or past the chain's
+        end): each new block keeps copies of those of its own tokens."""
         n = len(tokens) // self.block
         if n < max(1, len(blocks)) or len(tokens) % self.block:
             raise ValueError(f"a prefix block ends on a multiple of {self.block} tokens, not {len(tokens)}")
@@ -185,7 +244,7 @@ class PrefixCache:
                 parent = self._blocks.get(parent_key) if i else None
                 if keys[i] in self._blocks:
                     continue
-                block = Block(keys[i], parent_key, scope, data)
+                block = Block(keys[i], parent_key, scope, data, queries=_own_queries(queries, i, self.block))
                 if (i and parent is None) or block.nbytes > self.budget:
                     break
                 if (i + 1) * self.block == self.route_tokens:

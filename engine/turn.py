@@ -33,7 +33,7 @@ from .batch import Row
 from .cache import BLOCK_ROWS, blocks_written, fill_prefix, full_layer_indices
 from .capture import WindowCapture
 from .detok import Detokenizer
-from .prefixes import PrefixCache
+from .prefixes import PrefixCache, window_queries
 from .sampling import SamplingParams, sample_next
 from .session import Session, TurnMark, TurnReport
 
@@ -95,17 +95,23 @@ class Prefill:
             self._start_from_prefix()
 
     def _start_from_prefix(self) -> None:
-        """Start from the longest shared prefix of the prompt that leaves the observation window
-        (when a policy reads it; one token at least) to prefill: the rows a prefill of it makes."""
-        session = self.session
-        window = self.window if self.capture.layers else 0  # the queries a compression or an evictor reads
-        blocks = self.prefixes.lookup(session.prefix_scope, self.new, len(self.new) - max(window, 1))
+        """Start from the longest shared prefix of the prompt that leaves one token at least to
+        prefill: the rows a prefill of it makes. Where a policy reads the observation window's
+        queries (a compression, an evictor) and the prefix reaches into the window, the blocks
+        must hold those tokens' queries too (the prefill that made them kept its own window's:
+        engine/prefixes.py ``window_queries``), or the prefix stops before the window."""
+        session, block = self.session, self.prefixes.block
+        window = self.window if self.capture.layers else 0
+        start = len(self.new) - window
+        blocks = self.prefixes.lookup(session.prefix_scope, self.new, len(self.new) - 1, start if window else None)
         if not blocks:
             return
-        n = len(blocks) * self.prefixes.block
+        n = len(blocks) * block
         spare = len(self.new) - n + BLOCK_ROWS  # the prompt's own tokens and some answer go in place
         fill_prefix(session.cache, blocks, spare)
         session.logical_len = self.done = self.cached = n
+        if window and n > start:
+            self.capture.queries.update(window_queries(blocks, block, start))
 
     def _share_blocks(self, n: int) -> None:
         """The whole blocks of the chunk of ``n`` tokens that just went onto a first turn's cache:
@@ -115,7 +121,9 @@ class Prefill:
         if start % block or n < block:
             return
         blocks = blocks_written(self.session.cache, n, block)
-        self.prefixes.add_chain(self.session.prefix_scope, self.new[: start + len(blocks) * block], blocks)
+        queries = self.capture.queries  # the window so far: its tokens end here
+        window = (self.done - next(iter(queries.values())).shape[-2], queries) if queries else None
+        self.prefixes.add_chain(self.session.prefix_scope, self.new[: start + len(blocks) * block], blocks, window)
 
     @property
     def remaining(self) -> int:

@@ -9,7 +9,7 @@ import torch
 
 from kvsnap.engine import Engine, SamplingParams
 from kvsnap.engine.cache import export_kv
-from kvsnap.engine.prefixes import PrefixCache, root_key
+from kvsnap.engine.prefixes import PrefixCache, root_key, window_queries
 from kvsnap.engine.turn import Turn
 from kvsnap.policies import make_policy
 
@@ -58,12 +58,24 @@ def test_a_session_started_from_a_shared_prefix_is_the_one_that_prefilled_alone(
         assert_same_cache(shared, alone)
 
 
-def test_the_observation_window_is_always_prefilled(sharing):
-    """A prompt that is the shared prefix and little more starts from fewer blocks: its last
-    ``window`` tokens (SnapKV's queries) and one token at least are computed."""
-    opened(sharing, DOCUMENT + QUESTIONS[2])  # blocks 0-3 (the fourth ends inside the question)
-    _, got = opened(sharing, DOCUMENT[:48] + [7] * 7)  # 55 tokens, window 8: 47 may come from blocks
-    assert got.report.cached_tokens == 32
+def test_an_observation_window_reaching_into_the_blocks_takes_their_queries(sharing, tiny_engine):
+    """A prompt that is the shared prefix and little more: its observation window (SnapKV's
+    queries) reaches into the shared blocks. Each block keeps the queries its prefill had in its
+    window (a chunk's last ``window`` tokens), so a session whose window starts among those
+    starts from every block and prefills only its own tokens, and holds and answers what a
+    session that prefilled alone does; a wider window than the blocks hold stops the prefix
+    before it. One token at least is computed."""
+    opened(sharing, DOCUMENT + QUESTIONS[2])  # blocks 0-3, each keeping its chunk's last 8 queries
+    prompt = DOCUMENT[:48] + [7] * 7  # 55 tokens, window 8: from token 47, which block 2 keeps
+    shared, got = opened(sharing, prompt)
+    alone, want = opened(tiny_engine, prompt, scope=None)
+    assert got.report.cached_tokens == 48 and got.tokens == want.tokens
+    assert_same_cache(shared, alone)  # compressed by the same queries
+    wider = make_policy("snapkv", budget=24, window=16)  # from token 39: block 2 keeps 40 on
+    shared, got = opened(sharing, prompt, policy=wider)
+    alone, want = opened(tiny_engine, prompt, scope=None, policy=make_policy("snapkv", budget=24, window=16))
+    assert got.report.cached_tokens == 32 and got.tokens == want.tokens
+    assert_same_cache(shared, alone)
     _, got = opened(sharing, DOCUMENT[:32], policy=make_policy("full"))
     assert got.report.cached_tokens == 16  # no window, but one token to compute the next token from
 
@@ -127,6 +139,24 @@ def test_the_budget_evicts_least_recently_used_leaves_first():
         cache.add("t", [1, 2, 3], rows(6, 16))
 
 
+def test_blocks_keep_the_window_queries_their_chunk_had():
+    """``add_chain``'s ``queries`` (tokens 3-6's here): each new block keeps those of its own
+    tokens, counted in its bytes; a lookup whose window starts at ``window_from`` takes the
+    longest prefix that holds every query from there, and ``window_queries`` joins them."""
+    cache = PrefixCache(block=2, budget_bytes=1 << 20)
+    tokens = random_tokens(8, seed=5)
+    queries = torch.arange(4 * 3.0).view(1, 1, 4, 3)  # one head of 3 dims, tokens 3-6
+    assert cache.add_chain("t", tokens[:6], [rows(2, 16), rows(4, 16), rows(6, 16)], (3, {0: queries})) == 3
+    held = cache.lookup("t", tokens, 8)
+    assert [b.queried for b in held] == [0, 1, 2] and held[2].nbytes == 32 + 2 * 3 * 4
+    assert len(cache.lookup("t", tokens, 8, window_from=3)) == 3  # tokens 3-5: held
+    assert len(cache.lookup("t", tokens, 8, window_from=2)) == 1  # token 2's is not: stop at 2
+    assert len(cache.lookup("t", tokens, 8, window_from=6)) == 3  # past the prefix: nothing needed
+    joined = window_queries(held, 2, 4)[0]
+    assert torch.equal(joined, queries[:, :, 1:3])  # tokens 4 and 5
+    assert window_queries(held, 2, 6) == {}
+
+
 def test_a_block_larger_than_the_budget_is_not_held():
     cache = PrefixCache(block=2, budget_bytes=16)
     assert not cache.add("t", [1, 2], rows(1, 16)) and cache.nbytes == 0 and len(cache) == 0
@@ -147,7 +177,8 @@ def test_sessions_on_one_document_hold_one_shared_copy_and_their_own_rows(sharin
         assert opened.report.cached_tokens == (0 if i == 0 else 48)
         shared.append(sharing.prefixes.stats()["bytes"])
         own.append(worker.store.peek(f"acme/s{i}").nbytes)
-    per_block = shared[0] // 3
+    per_block = shared[0] // 3  # its rows, and its chunk's last 8 queries (SnapKV's window)
+    assert all(b.queried == 8 for b in sharing.prefixes._blocks.values())
     assert shared == [3 * per_block] * len(questions)  # the document's three blocks, held once
     assert sum(worker.store.bytes_by_tier().values()) == sum(own)  # the tiers: the sessions' own rows only
     full = per_block // 16 * (len(DOCUMENT) + 9)  # a block holds 16 rows of every layer
