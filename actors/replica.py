@@ -31,7 +31,7 @@ from ray import serve
 
 from kvsnap.actors.turns import TurnRequest
 from kvsnap.actors.worker import Worker
-from kvsnap.engine import Engine, block_copy, chunk_kernel, kernels, load_model
+from kvsnap.engine import Engine, block_copy, chunk_kernel, kernels, load_model, votes_kernel
 from kvsnap.errors import NotFound
 from kvsnap.policies.kivi import parse_kivi
 from kvsnap.service.config import ServiceConfig
@@ -135,6 +135,7 @@ class WorkerReplica:
             block_copy.kernel()
         engine.span_table()  # the defaults keep sentence spans: the first turn would build it mid-step
         kinds = (("one-token", kernels.kernel), (f"chunk ({chunk_kernel.build()})", chunk_kernel.kernel))
+        kinds += (("SnapKV votes", votes_kernel.library),)  # a compression's scores (engine/votes_kernel.py)
         found = [name for name, built in kinds if own and built() is not None]
         attention = " and ".join(found) + " attention kernels" if found else "torch attention"
         # what is here now lives as long as the replica (the model's modules, torch, Ray, Serve:

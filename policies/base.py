@@ -206,6 +206,23 @@ def window_attention(
     return logits.softmax(dim=-1)
 
 
+def window_votes(
+    window_queries: torch.Tensor, keys: torch.Tensor, scale: float | None = None, chunk: int | None = None
+) -> torch.Tensor:
+    """SnapKV's votes: each window query's causal attention (:func:`window_attention`) summed over
+    the window, for the rows before it: [B, H, w, D] x [B, H_kv, L, D] -> [B, H_kv, G, L - w]
+    (float32). bf16 on a CPU with the prompt-chunk kernel's flags: one C pass
+    (engine/votes_kernel.py, the same sums within float32 rounding, ~4x faster); else torch's."""
+    w, length = window_queries.shape[-2], keys.shape[2]
+    if chunk is None and keys.device.type == "cpu" and keys.dtype == torch.bfloat16:
+        from kvsnap.engine import votes_kernel  # here, not above: the engine imports the policies
+
+        if votes_kernel.takes(window_queries, keys):
+            scale = 1.0 / math.sqrt(keys.shape[-1]) if scale is None else scale
+            return votes_kernel.votes(window_queries, keys, scale)
+    return window_attention(window_queries, keys, scale, chunk)[..., : length - w].sum(dim=-2)
+
+
 def step_attention(query: torch.Tensor, keys: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Attention of one decoding query over every row of a layer, averaged within each KV group:
     [B, H, 1, D] x [B, H_kv, L, D] -> [B, H_kv, L] (float32). One step sees every row."""

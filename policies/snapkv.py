@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from kvsnap.errors import InvalidArgument
 
-from .base import Policy, _check_bool, _check_kernel, window_attention
+from .base import Policy, _check_bool, _check_kernel, window_votes
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +58,8 @@ class SnapKV(Policy):
         another device, e.g. a full cache kept in host memory); the result is the same."""
         batch, kv_heads, length = keys.shape[0], keys.shape[1], keys.shape[2]
         w = window_queries.shape[-2]
-        attn = window_attention(window_queries, keys, scale, chunk)  # [B, H_kv, G, w, L]
-        group = attn.shape[2]
-        votes = attn[..., : length - w].sum(dim=-2)  # [B, H_kv, G, L - w]
+        votes = window_votes(window_queries, keys, scale, chunk)  # [B, H_kv, G, L - w]
+        group = votes.shape[2]
         pooled = self._pool(votes.reshape(batch * kv_heads * group, 1, length - w))
         pooled = pooled.view(batch, kv_heads, group, length - w)
         return pooled.mean(dim=2) if self.gqa_reduce == "mean" else pooled.amax(dim=2)
