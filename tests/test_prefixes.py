@@ -71,6 +71,9 @@ def test_an_observation_window_reaching_into_the_blocks_takes_their_queries(shar
     alone, want = opened(tiny_engine, prompt, scope=None)
     assert got.report.cached_tokens == 48 and got.tokens == want.tokens
     assert_same_cache(shared, alone)  # compressed by the same queries
+    replayed = sharing.new_session(snapkv())  # a rebuild (after a failover) prefills its log from the start
+    sharing.rebuild(replayed, list(shared.transcript), shared.logical_len, shared.marks)
+    assert_same_cache(replayed, shared)
     wider = make_policy("snapkv", budget=24, window=16)  # from token 39: block 2 keeps 40 on
     shared, got = opened(sharing, prompt, policy=wider)
     alone, want = opened(tiny_engine, prompt, scope=None, policy=make_policy("snapkv", budget=24, window=16))
