@@ -17,8 +17,8 @@ tie to that rounding.
 
 Units run on torch's own OpenMP threads (engine/kernels.py); each unit writes its own votes,
 joined in a fixed order after, so the result depends neither on the thread count nor on timing.
-Without a compiler or the CPU flags, or with ``KVSNAP_C_KERNELS=0``, :func:`votes` is None and
-torch's path runs.
+Without a compiler or the CPU flags, or with ``KVSNAP_C_KERNELS=0``, :func:`library` is None,
+:func:`takes` says no and torch's path runs.
 """
 
 from __future__ import annotations
