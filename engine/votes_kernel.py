@@ -56,18 +56,18 @@ int window_votes(const uint16_t *q, long qsh, long qst, const uint16_t *k, long 
         tiles_on();
         __attribute__((aligned(64))) uint16_t qbuf[QB * MAXD];
         __attribute__((aligned(64))) float s[QB * KB];
+        float *x = aligned_alloc(64, sizeof(float) * QB * (Lp + KB));   /* a unit's queries' scores, per thread */
+        if (!x) {
+            #pragma omp atomic write
+            failed = 1;
+        }
         #pragma omp for schedule(dynamic)
         for (long u = 0; u < units; u++) {
+            if (!x) continue;   /* every thread takes part in the loop; this one has no room to work */
             const int h = (int)(u % H);
             const long i0 = (u / H) * QB;
             const int rows = w - i0 < QB ? (int)(w - i0) : QB;
             const uint16_t *kh = kp + (h / (H / Hkv)) * per_head;
-            float *x = aligned_alloc(64, sizeof(float) * QB * (Lp + KB));   /* its queries' scores */
-            if (!x) {
-                #pragma omp atomic write
-                failed = 1;
-                continue;
-            }
             memset(qbuf, 0, sizeof(uint16_t) * QB * D);
             for (int r = 0; r < rows; r++) memcpy(qbuf + r * D, q + h * qsh + (i0 + r) * qst, 2 * D);
             const long last = L - w + i0 + rows - 1;   /* the unit's last query's row: no key past it */
@@ -98,8 +98,8 @@ int window_votes(const uint16_t *q, long qsh, long qst, const uint16_t *k, long 
                 const float inv = 1.f / _mm512_reduce_add_ps(sum);
                 for (long j = 0; j < P; j++) mine[j] += xr[j] * inv;
             }
-            free(x);
         }
+        free(x);
         tiles_off();
     }
     for (int h = 0; h < H; h++) {   /* each head's units in order: the same sums on any thread count */
