@@ -29,6 +29,7 @@ from kvsnap.policies import Policy, make_policy, scored_policy
 from kvsnap.policies.kvzap import Surrogate
 from kvsnap.policies.kvzip import REPEAT_PROMPT
 
+from . import packed
 from .batch import Row, packed_inputs
 from .cache import full_layer_indices, new_session_cache, shares_blocks
 from .capture import hidden_hook
@@ -205,12 +206,13 @@ class Engine(Compression, Decoding, Replay):
         for row in rows:
             end += len(row.tokens)
             ends.append(end - 1)
-        if self._own_head:
-            hidden = self.model.base_model(**inputs).last_hidden_state[0, ends]  # [B, D]
-            logits = self.head(hidden, [row.greedy for row in rows])
-        else:
-            keep = torch.tensor(ends, device=self.device)
-            logits = self.model(**inputs, logits_to_keep=keep).logits[0].float()
+        with packed.step_rows([len(row.tokens) for row in rows]):  # one-token rows' products
+            if self._own_head:
+                hidden = self.model.base_model(**inputs).last_hidden_state[0, ends]  # [B, D]
+                logits = self.head(hidden, [row.greedy for row in rows])
+            else:
+                keep = torch.tensor(ends, device=self.device)
+                logits = self.model(**inputs, logits_to_keep=keep).logits[0].float()
         for row in rows:
             row.session.logical_len += len(row.tokens)
         return logits

@@ -33,7 +33,7 @@ import logging
 
 import torch
 
-from . import amx_linear, packed
+from . import amx_linear, few_linear, packed
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,17 @@ class LMHead:
             screen = screen_pays(self.weight, self.bias)
         self.screen = bool(screen) and self.bias is None  # the bound knows no bias
         self.packed = None  # the head packed for oneDNN: the first pass on a CPU without AMX
+        self.few = None  # or repacked for engine/few_linear.py
         if self.screen:
             weight = self.weight.detach()
             # a bf16 head is its own first pass; an fp32 one gets a bf16 copy
             self.weight_bf16 = weight if weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16)
             self.tiles = amx_linear.takes(self.weight_bf16)  # a few rows' first pass on AMX tiles
+            # without AMX, with AVX-512 BF16: engine/few_linear.py's kernel on a repacked copy
+            self.few = few_linear.repack(self.weight_bf16) if few_linear.takes(self.weight_bf16) else None
             # elsewhere oneDNN's product with the head packed once, not reordered every call: the
             # same bits, a second copy of the head (engine/packed.py)
-            if not self.tiles and packed.can_pack(self.weight_bf16):
+            if not self.tiles and self.few is None and packed.can_pack(self.weight_bf16):
                 self.packed = packed.pack(self.weight_bf16)
                 size = self.weight_bf16.numel() * 2 / 2**20
                 log.info("the LM head's first pass: its weight packed for oneDNN (%.0f MiB more)", size)
@@ -123,6 +126,8 @@ class LMHead:
         ``F.linear``, which reorders the head every call), else ``F.linear``."""
         if self.tiles and amx_linear.fits(rows):
             return amx_linear.linear(rows, self.weight_bf16)
+        if self.few is not None:  # any rows: the screen needs no particular bits, only its bound
+            return few_linear.linears(rows, [self.few])[0]
         if self.packed is not None:  # a decode step 1.1-1.6x without AMX (docs/BENCHMARKS.md)
             return packed.product(rows, self.packed)
         return torch.nn.functional.linear(rows, self.weight_bf16)

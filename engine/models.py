@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, 
 
 from kvsnap.errors import InvalidArgument
 
-from . import capture, lean
+from . import capture, few_linear, lean
 from .fused import fuse
 from .packed import pack_linears
 
@@ -153,12 +153,14 @@ def load_model(
 
 
 def _pack(model: torch.nn.Module, name: str) -> None:
-    """bf16 CPU projections get weights packed once (engine/packed.py: bit-equal, faster), and
+    """bf16 CPU projections get weights packed once (engine/packed.py: bit-equal, faster; and a
+    copy for one-token rows where engine/few_linear.py built), and
     norms and gated MLPs one pass each (engine/fused.py), and Llama-family layers without
     transformers' module calls (engine/lean.py)."""
     added = pack_linears(model)
     if added:
-        log.info("%s: linear weights packed for oneDNN (%.0f MiB more)", name, added / 2**20)
+        kernel = " and engine/few_linear.py's one-token rows" if few_linear.kernel() is not None else ""
+        log.info("%s: linear weights packed for oneDNN%s (%.0f MiB more)", name, kernel, added / 2**20)
     if fused := fuse(model):
         log.info("%s: %d norm and MLP modules run the fused C kernels", name, fused)
     if layers := lean.install(model):

@@ -27,17 +27,27 @@ stream from memory, and one call streams them faster than three: SmolLM2's 30 la
 products take about 12 ms grouped and 19 ms apart here (docs/BENCHMARKS.md, "Grouped
 projections"). A grouped module keeps no packed copy of its own (no more memory than before): called
 alone (transformers' layer, which a capture of the attention input takes) it is ``F.linear``.
+
+On a CPU with AVX-512 BF16 and no AMX, the single-token rows of a packed step (its decoding
+sessions, and a prompt's one-token chunk) run engine/few_linear.py's kernel on a second copy of
+each weight, repacked once: 1.4-1.75x oneDNN's speed for 1-8 rows, but not oneDNN's bits. So the
+choice is made per row, not per product: :func:`step_rows` (around ``Engine.step``'s forward) says
+which rows of the packed sequence have one token, and those always take the kernel, alone or
+beside a prompt chunk (which takes oneDNN, the two results put together): a row's products
+depend on the row only, as the batching and replay invariants need (tests/test_few_linear.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import types
 import weakref
 
 import torch
 from torch import nn
 
-from . import amx_linear
+from . import amx_linear, few_linear
 
 ROWS_HINT = 8  # the rows oneDNN is told to expect (a decode step's); any count works
 
@@ -65,6 +75,50 @@ _WANTED: weakref.WeakKeyDictionary[nn.Linear, tuple] = weakref.WeakKeyDictionary
 _GROUPS: weakref.WeakKeyDictionary[nn.Linear, tuple] = weakref.WeakKeyDictionary()
 _GROUPED: weakref.WeakSet[nn.Linear] = weakref.WeakSet()  # every module of a group
 AMX_MAX_ROWS = amx_linear.MAX_ROWS  # products of more rows run oneDNN (0: every one; benchmarks compare)
+_FEW: weakref.WeakKeyDictionary[nn.Linear, torch.Tensor] = weakref.WeakKeyDictionary()  # its few_linear repack
+FEW_ROWS = True  # single-token rows take few_linear where it built (False: oneDNN; benchmarks compare)
+# during Engine.step's forward: the packed sequence's length and the positions of its one-token rows
+_STEP: contextvars.ContextVar[tuple[int, torch.Tensor] | None] = contextvars.ContextVar("step_rows", default=None)
+
+
+@contextlib.contextmanager
+def step_rows(lengths: list[int]):
+    """Within: a packed step's forward, whose rows have ``lengths`` tokens each (engine/batch.py);
+    products of its whole packed input give its one-token rows to few_linear (see the module)."""
+    singles, start = [], 0
+    for n in lengths:
+        if n == 1:
+            singles.append(start)
+        start += n
+    token = _STEP.set((start, torch.tensor(singles, dtype=torch.long)))
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+def _singles(x: torch.Tensor) -> torch.Tensor | None:
+    """The positions of the running step's one-token rows when ``x`` is its packed input
+    (``[1, T, K]`` bf16), else None."""
+    step = _STEP.get()
+    if step is None or not FEW_ROWS or x.dim() != 3 or x.shape[:2] != (1, step[0]) or x.dtype != torch.bfloat16:
+        return None
+    return step[1]
+
+
+def _with_few_rows(modules: tuple[nn.Linear, ...], x: torch.Tensor, rest) -> list[torch.Tensor]:
+    """Each module's product with ``x``: the step's one-token rows on few_linear, the other rows
+    by ``rest(x)`` (oneDNN), when every module has a repack; else ``rest(x)``."""
+    singles = _singles(x)
+    if singles is None or not len(singles) or not all(m in _FEW for m in modules):
+        return rest(x)
+    weights = [_FEW[m] for m in modules]
+    if len(singles) == x.shape[1]:  # a decode step: every row
+        return few_linear.linears(x, weights)
+    outs = rest(x)
+    for out, rows in zip(outs, few_linear.linears(x[:, singles], weights), strict=True):
+        out[:, singles] = rows
+    return outs
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -98,6 +152,12 @@ def _few_rows(x: torch.Tensor) -> bool:
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if self in _FEW:
+        return _with_few_rows((self,), x, lambda rows: [_product_of(self, rows)])[0]
+    return _product_of(self, x)
+
+
+def _product_of(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed = _PACKED.get(self)
     if x.dtype == torch.bfloat16 and self in _AMX and _few_rows(x):
         return amx_linear.linear(x, self.weight)
@@ -114,11 +174,15 @@ def products(modules: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tens
     every way."""
     if all(m in _AMX for m in modules) and _few_rows(x):
         return amx_linear.linears(x, [m.weight for m in modules])
+    return _with_few_rows(modules, x, lambda rows: _onednn_products(modules, rows))
+
+
+def _onednn_products(modules: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tensor]:
     stacked = _GROUPS.get(modules[0])
     if stacked is not None and x.dtype == torch.bfloat16 and _members(modules[0]) == modules:
         weight, widths, bias = stacked
         return list(product(x, weight, bias).split(widths, dim=-1))
-    return [_packed_forward(m, x) for m in modules]
+    return [_product_of(m, x) for m in modules]
 
 
 def _members(first: nn.Linear) -> tuple:
@@ -174,6 +238,9 @@ def pack_linears(model: nn.Module) -> int:
         added += module.weight.numel() * module.weight.element_size()
         if module.bias is None and amx_linear.takes(module.weight):
             _AMX.add(module)
+        elif module.bias is None and few_linear.takes(module.weight):
+            _FEW[module] = few_linear.repack(module.weight)  # a second copy: counted
+            added += module.weight.numel() * module.weight.element_size()
     for first in [m for m in model.modules() if m in _WANTED and m not in _GROUPS]:  # asked for before an unpack
         if None not in (wanted := _members(first)):
             group(wanted)
@@ -184,6 +251,7 @@ def unpack_linears(model: nn.Module) -> None:
     """Undo :func:`pack_linears` (benchmarks compare both in one run)."""
     for module in model.modules():
         _AMX.discard(module)
+        _FEW.pop(module, None)
         _GROUPS.pop(module, None)
         if _PACKED.pop(module, None) is not None or module in _GROUPED:
             _GROUPED.discard(module)

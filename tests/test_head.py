@@ -140,17 +140,26 @@ def test_a_bf16_head_gives_the_exact_argmax_of_its_own_weights():
         assert head(hidden, [True] * rows).argmax(-1).tolist() == exact.argmax(-1).tolist()
 
 
-def test_without_amx_the_bf16_first_pass_runs_on_the_head_packed_once():
-    """On a CPU without AMX tiles a bf16 head's first pass is oneDNN's product with the head
-    packed once at start-up (F.linear reorders it every call): the same bits, for any row count."""
-    from kvsnap.engine import packed
+def test_without_amx_the_bf16_first_pass_runs_on_a_copy_of_the_head_made_once():
+    """On a CPU without AMX tiles a bf16 head's first pass runs on a copy of the head made at
+    start-up: engine/few_linear.py's repack where the CPU has AVX-512 BF16 (within the bound the
+    screen assumes, any row count), else oneDNN's product with the head packed once (F.linear
+    reorders it every call: the same bits)."""
+    from kvsnap.engine import few_linear, packed
 
     weight = torch.randn(1 << 16, 64).bfloat16()
     head = LMHead(Head(weight), None, screen=True)
-    if head.tiles or not packed.can_pack(weight):
-        assert head.packed is None
-        pytest.skip("AMX tiles take the first pass here, or oneDNN has no bf16 kernels")
-    assert head.packed is not None
+    if head.tiles or not (few_linear.takes(weight) or packed.can_pack(weight)):
+        assert head.packed is None and head.few is None
+        pytest.skip("AMX tiles take the first pass here, or there are no bf16 kernels")
+    assert (head.few is None) != (head.packed is None)  # one copy, not two
     for rows in (1, 5, 8, 16, 40):
         hidden = torch.randn(rows, 64).bfloat16()
-        assert torch.equal(head._first_pass(hidden), torch.nn.functional.linear(hidden, weight)), rows
+        got = head._first_pass(hidden)
+        if head.few is None:
+            assert torch.equal(got, torch.nn.functional.linear(hidden, weight)), rows
+            continue
+        exact = hidden.double() @ weight.double().T
+        norms = weight.double().norm(dim=1)[None, :] * hidden.double().norm(dim=1)[:, None]
+        bound = head.product_error * norms + 2.0**-8 * exact.abs() * 1.01  # the screen's model
+        assert ((got.double() - exact).abs() <= bound).all(), rows

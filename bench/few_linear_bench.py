@@ -1,0 +1,107 @@
+"""A decode step's products on AVX-512 BF16 vectors (engine/few_linear.py) against oneDNN's, side
+by side in one run, on a CPU without AMX.
+
+In-process ``Engine``, bfloat16 (packed weights, fused kernels, attention kernels: what a
+replica runs), both embedded models. Two cases, alternating --reps times (medians):
+
+- ``onednn``: every product through oneDNN's packed weights (the LM head's first pass too: the
+  head packed once), what a decode step ran before the kernel;
+- ``few``: a step's one-token rows on the kernel's repacked weights, and the head's first pass.
+
+Each gives: all of the model's projections at --sessions rows, as a decode step calls them
+(grouped where the layer groups them), the LM head's first pass at that many rows, and the mean
+decode step of --sessions full-KV sessions on short (--short tokens) and long (--tokens) caches.
+The two cases do not compute the same bits (tests/test_few_linear.py says what each keeps).
+
+    .venv/bin/python bench/few_linear_bench.py --out docs/results/few_linear_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from amx_linear_bench import timed_ms
+from decode_bench import sessions_on, step_ms
+from dtype_bench import DOC
+from step_bench import step_parser
+from torch import nn
+
+from kvsnap.engine import Engine, few_linear, load_model, packed
+from kvsnap.engine.cbuild import cpu_model
+
+CASES = ("onednn", "few")
+
+
+def use(case: str, engine: Engine, heads: dict) -> None:
+    packed.FEW_ROWS = case == "few"
+    engine.head.few, engine.head.packed = heads[case]
+
+
+def product_calls(model: nn.Module) -> list:
+    """The decode step's product calls: per layer, each group of projections taken together
+    (:func:`packed.products`) and each other projection alone."""
+    grouped = {m for g in packed.groups(model) for m in g}
+    calls = [(lambda x, g=g: packed.products(g, x), g[0].in_features) for g in packed.groups(model)]
+    for m in model.modules():
+        if type(m) is nn.Linear and m in packed._FEW and m not in grouped:
+            calls.append((m, m.in_features))
+    return calls
+
+
+def model_report(name: str, args: argparse.Namespace) -> dict:
+    engine = Engine(load_model(name, dtype="bfloat16"), prefill_chunk=1024)
+    weight = engine.head.weight_bf16
+    heads = {"few": (engine.head.few, None), "onednn": (None, packed.pack(weight))}
+    calls = product_calls(engine.model)
+    widths = {k for _, k in calls}
+    rows = {k: torch.randn(1, args.sessions, k).to(torch.bfloat16) for k in widths}
+    hidden = torch.randn(args.sessions, weight.shape[1]).to(torch.bfloat16)
+
+    def projections() -> None:
+        with torch.inference_mode(), packed.step_rows([1] * args.sessions):
+            for call, k in calls:
+                call(rows[k])
+
+    doc = engine.encode(DOC)
+    measures = {
+        "projections_ms": lambda: timed_ms(projections),
+        "head_first_pass_ms": lambda: timed_ms(lambda: engine.head._first_pass(hidden)),
+    }
+    for label, length in (("short", args.short), ("long", args.tokens)):
+        sessions = sessions_on(engine, doc[:length], args.sessions)
+        measures[f"decode_step_ms_{label}_{length}"] = lambda s=sessions: step_ms(engine, s, args.steps)
+    times = {key: {case: [] for case in CASES} for key in measures}
+    for rep in range(args.reps):
+        for case in CASES if rep % 2 == 0 else CASES[::-1]:
+            use(case, engine, heads)
+            for key, measure in measures.items():
+                times[key][case].append(measure())
+    projected = [m for m in engine.model.modules() if type(m) is nn.Linear and m in packed._FEW]
+    result = {"projections": len(projected), "projection_mb": round(sum(m.weight.nbytes for m in projected) / 1e6, 1)}
+    result["head_mb"] = round(weight.nbytes / 1e6, 1)
+    for key, by_case in times.items():
+        medians = {case: round(statistics.median(t), 2) for case, t in by_case.items()}
+        result[key] = medians | {"speedup": round(medians["onednn"] / medians["few"], 3)}
+    use("few", engine, heads)
+    return result
+
+
+def main() -> None:
+    args = step_parser(__doc__).parse_args()
+    torch.set_num_threads(args.threads)
+    if few_linear.kernel() is None:
+        raise SystemExit("no AVX-512 BF16 kernel here (no such instructions, or AMX: amx_linear_bench.py)")
+    report = {"cpu": cpu_model(), "sessions": args.sessions, "threads": args.threads, "reps": args.reps}
+    for name in args.models.split(","):
+        report[name] = model_report(name, args)
+        print(name, json.dumps(report[name]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
