@@ -29,25 +29,30 @@ def model_folder(model: str) -> str:
 
 
 class Server:
-    """One server process (its own process group), up once ``/v1/models`` answers."""
+    """One server process (its own process group), started at once; :meth:`up` waits until
+    ``/v1/models`` answers (both of a pair start together: :func:`start_pair`)."""
 
     def __init__(self, name: str, cmd: list[str], env: dict, port: int, log: Path):
         self.name, self.port, self.log = name, port, log
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=log.parent
         )
-        deadline = time.monotonic() + START_S
-        while time.monotonic() < deadline:
+        self.started = time.monotonic()
+
+    def up(self) -> Server:
+        """Wait until the server answers (stopping it and raising if it exits or takes
+        :data:`START_S`); returns it."""
+        while time.monotonic() < self.started + START_S:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
             try:
                 if requests.get(f"{self.url}/models", headers=_auth(), timeout=2).ok:
-                    return
+                    return self
             except requests.RequestException:
                 pass
             time.sleep(1)
         self.stop()
-        raise RuntimeError(f"{name} did not answer within {START_S} s:\n{log.read_text()[-3000:]}")
+        raise RuntimeError(f"{self.name} did not answer within {START_S} s:\n{self.log.read_text()[-3000:]}")
 
     @property
     def url(self) -> str:
@@ -73,7 +78,10 @@ def _auth() -> dict:
     return {"Authorization": f"Bearer {KEY}"}
 
 
-def start_vllm(folder: str, model: str, kv_gib: float, threads: int, dtype: str, work: Path) -> Server:
+def start_vllm(
+    folder: str, model: str, kv_gib: float, threads: int, dtype: str, work: Path, *, wait: bool = True
+) -> Server:  # fmt: skip
+    """vLLM's CPU build on ``folder`` (up when it returns, unless ``wait`` is False: :meth:`Server.up`)."""
     if not VLLM_PYTHON.exists():
         raise SystemExit(f"no {VLLM_PYTHON}: `make peer` installs vLLM's CPU build there")
     port = free_port()
@@ -84,16 +92,18 @@ def start_vllm(folder: str, model: str, kv_gib: float, threads: int, dtype: str,
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", folder]
     cmd += ["--served-model-name", model, "--port", str(port), "--host", "127.0.0.1", "--dtype", dtype]
     cmd += ["--enable-prefix-caching", "--max-model-len", "8192", "--api-key", KEY, "--enable-prompt-tokens-details"]
-    return Server("vllm", cmd, env, port, work / "vllm.log")
+    server = Server("vllm", cmd, env, port, work / "vllm.log")
+    return server.up() if wait else server
 
 
 def start_kvsnap(
     model: str, kv_gib: float, dtype: str, work: Path, prefill_chunk: int | None = None, *, prefix_share: float = 0.0,
-    kv_quant: str = "none",
+    kv_quant: str = "none", wait: bool = True,
 ) -> Server:  # fmt: skip
     """kvsnap serving in the same KV memory as vLLM's: ``prefix_share`` of it for shared prompt
     prefixes (where chats share documents), the rest half in each tier (a re-selecting default
-    keeps its full copy in the host tier); ``kv_quant``: the host tier's KIVI quantization."""
+    keeps its full copy in the host tier); ``kv_quant``: the host tier's KIVI quantization. Up
+    when it returns, unless ``wait`` is False (:meth:`Server.up`)."""
     port = free_port()
     prefix_mib = int(kv_gib * 1024 * prefix_share)
     tier_mib = str(int((kv_gib * 1024 - prefix_mib) / 2))
@@ -111,7 +121,8 @@ def start_kvsnap(
     kvsnap = Path(sys.executable).parent / "kvsnap"
     cmd = [str(kvsnap), "serve", "--model", model, "--replicas", "1", "--http-port", str(port), "--grpc-port", "0"]
     cmd += ["--data-dir", str(work / "kvsnap-data"), "--dtype", dtype]
-    return Server("kvsnap", cmd, env, port, work / "kvsnap.log")
+    server = Server("kvsnap", cmd, env, port, work / "kvsnap.log")
+    return server.up() if wait else server
 
 
 def group_cpu_s(server: Server) -> float:
@@ -142,16 +153,20 @@ def settle(server: Server, quiet_cpu_s: float = 0.05, timeout_s: float = 60.0) -
 def start_pair(args, work: Path, folder: str, kv_gib: float, prefix_share: float = 0.0) -> dict[str, Server]:
     """Both servers up at once (vLLM's and kvsnap's KV memory ``kv_gib`` each), for workloads
     whose rounds alternate between them (:func:`alternate`)."""
-    vllm = start_vllm(folder, args.model, kv_gib, args.threads, args.vllm_dtype, work)
-    try:
-        ours = start_kvsnap(
+    vllm = start_vllm(folder, args.model, kv_gib, args.threads, args.vllm_dtype, work, wait=False)
+    servers = {"vllm": vllm}
+    try:  # both start at once (their start-ups wait on more than the CPU); no round runs before both are up
+        servers["kvsnap"] = start_kvsnap(
             args.model, kv_gib, args.kvsnap_dtype, work, args.kvsnap_prefill_chunk, prefix_share=prefix_share,
-            kv_quant=args.kvsnap_kv_quant,
+            kv_quant=args.kvsnap_kv_quant, wait=False,
         )  # fmt: skip
+        for server in servers.values():
+            server.up()
     except BaseException:
-        vllm.stop()
+        for server in servers.values():
+            server.stop()
         raise
-    return {"vllm": vllm, "kvsnap": ours}
+    return servers
 
 
 def alternate(servers: dict[str, Server], rounds: int, run, label: str, warm_up=None) -> dict[str, list[dict]]:
