@@ -59,18 +59,36 @@ def model_report(name: str, args: argparse.Namespace) -> dict:
     for label, length in (("short", args.short), ("long", args.tokens)):
         sessions = sessions_on(engine, doc[:length], args.sessions)
         measures[f"decode_step_ms_{label}_{length}"] = lambda s=sessions: step_ms(engine, s, args.steps)
-    times = {key: {case: [] for case in CASES} for key in measures}
-    for rep in range(args.reps):
-        for case in CASES if rep % 2 == 0 else CASES[::-1]:
-            use(case, engine)
-            for key, measure in measures.items():
-                times[key][case].append(measure())
     result = {"projections": len(linears), "projection_mb": round(sum(m.weight.nbytes for m in linears) / 1e6, 1)}
-    for key, by_case in times.items():
-        medians = {case: round(statistics.median(t), 2) for case, t in by_case.items()}
-        result[key] = medians | {"speedup": round(medians["onednn"] / medians["amx"], 3)}
+    result |= alternating(measures, CASES, lambda case: use(case, engine), args.reps)
     use("amx", engine)
     return result
+
+
+def alternating(measures: dict, cases: tuple[str, str], use, reps: int) -> dict:
+    """Each of ``measures`` in both ``cases`` (``use(case)`` switches), the cases alternating in
+    order and reverse ``reps`` times: per measure the medians and the first case's over the second's."""
+    times = {key: {case: [] for case in cases} for key in measures}
+    for rep in range(reps):
+        for case in cases if rep % 2 == 0 else cases[::-1]:
+            use(case)
+            for key, measure in measures.items():
+                times[key][case].append(measure())
+    result = {}
+    for key, by_case in times.items():
+        medians = {case: round(statistics.median(t), 2) for case, t in by_case.items()}
+        result[key] = medians | {"speedup": round(medians[cases[0]] / medians[cases[1]], 3)}
+    return result
+
+
+def report_models(args, report: dict, model_report) -> None:
+    """``model_report(name, args)`` for each of ``--models``, printed, into ``report``, written to ``--out``."""
+    for name in args.models.split(","):
+        report[name] = model_report(name, args)
+        print(name, json.dumps(report[name]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 def main() -> None:
@@ -79,12 +97,7 @@ def main() -> None:
     if amx_linear.kernel() is None:
         raise SystemExit("no AMX kernel on this machine: nothing to compare")
     report = {"sessions": args.sessions, "reps": args.reps, "threads": args.threads, "dtype": "bfloat16"}
-    for name in args.models.split(","):
-        report[name] = model_report(name, args)
-        print(name, json.dumps(report[name]), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    report_models(args, report, model_report)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,9 @@ The two cases do not compute the same bits (tests/test_few_linear.py says what e
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 
 import torch
-from amx_linear_bench import timed_ms
+from amx_linear_bench import alternating, report_models, timed_ms
 from decode_bench import sessions_on, step_ms
 from dtype_bench import DOC
 from step_bench import step_parser
@@ -73,18 +71,10 @@ def model_report(name: str, args: argparse.Namespace) -> dict:
     for label, length in (("short", args.short), ("long", args.tokens)):
         sessions = sessions_on(engine, doc[:length], args.sessions)
         measures[f"decode_step_ms_{label}_{length}"] = lambda s=sessions: step_ms(engine, s, args.steps)
-    times = {key: {case: [] for case in CASES} for key in measures}
-    for rep in range(args.reps):
-        for case in CASES if rep % 2 == 0 else CASES[::-1]:
-            use(case, engine, heads)
-            for key, measure in measures.items():
-                times[key][case].append(measure())
     projected = [m for m in engine.model.modules() if type(m) is nn.Linear and m in packed._FEW]
     result = {"projections": len(projected), "projection_mb": round(sum(m.weight.nbytes for m in projected) / 1e6, 1)}
     result["head_mb"] = round(weight.nbytes / 1e6, 1)
-    for key, by_case in times.items():
-        medians = {case: round(statistics.median(t), 2) for case, t in by_case.items()}
-        result[key] = medians | {"speedup": round(medians["onednn"] / medians["few"], 3)}
+    result |= alternating(measures, CASES, lambda case: use(case, engine, heads), args.reps)
     use("few", engine, heads)
     return result
 
@@ -95,12 +85,7 @@ def main() -> None:
     if few_linear.kernel() is None:
         raise SystemExit("no AVX-512 BF16 kernel here (no such instructions, or AMX: amx_linear_bench.py)")
     report = {"cpu": cpu_model(), "sessions": args.sessions, "threads": args.threads, "reps": args.reps}
-    for name in args.models.split(","):
-        report[name] = model_report(name, args)
-        print(name, json.dumps(report[name]), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    report_models(args, report, model_report)
 
 
 if __name__ == "__main__":
