@@ -44,7 +44,7 @@ def product_calls(model: nn.Module) -> list:
     grouped = {m for g in packed.groups(model) for m in g}
     calls = [(lambda x, g=g: packed.products(g, x), g[0].in_features) for g in packed.groups(model)]
     for m in model.modules():
-        if type(m) is nn.Linear and m in packed._FEW and m not in grouped:
+        if type(m) is nn.Linear and packed.uses_few(m) and m not in grouped:
             calls.append((m, m.in_features))
     return calls
 
@@ -71,7 +71,7 @@ def model_report(name: str, args: argparse.Namespace) -> dict:
     for label, length in (("short", args.short), ("long", args.tokens)):
         sessions = sessions_on(engine, doc[:length], args.sessions)
         measures[f"decode_step_ms_{label}_{length}"] = lambda s=sessions: step_ms(engine, s, args.steps)
-    projected = [m for m in engine.model.modules() if type(m) is nn.Linear and m in packed._FEW]
+    projected = [m for m in engine.model.modules() if type(m) is nn.Linear and packed.uses_few(m)]
     result = {"projections": len(projected), "projection_mb": round(sum(m.weight.nbytes for m in projected) / 1e6, 1)}
     result["head_mb"] = round(weight.nbytes / 1e6, 1)
     result |= alternating(measures, CASES, lambda case: use(case, engine, heads), args.reps)

@@ -34,7 +34,6 @@ import torch
 from . import amx_linear, cbuild
 
 UNIT = 32  # outputs a unit of work (two vectors of 16)
-ROWS = 8  # rows a pass over a unit holds in registers
 MAX_WEIGHTS = 8  # weights one call takes
 
 SOURCE = r"""

@@ -145,6 +145,11 @@ def uses_amx(module: nn.Module) -> bool:
     return module in _AMX
 
 
+def uses_few(module: nn.Module) -> bool:
+    """Whether a step's one-token rows take engine/few_linear.py's kernel in ``module``'s products."""
+    return module in _FEW
+
+
 def _few_rows(x: torch.Tensor) -> bool:
     """Rows the AMX kernel takes (:func:`.amx_linear.fits`: contiguous bf16), at most
     :data:`AMX_MAX_ROWS` of them."""

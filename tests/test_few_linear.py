@@ -77,7 +77,7 @@ def _packed_linear(out_features: int, in_features: int) -> nn.Linear:
     module = nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16).eval()
     holder = nn.Sequential(module)
     packed.pack_linears(holder)
-    assert module in packed._FEW
+    assert packed.uses_few(module)
     return module
 
 
@@ -88,7 +88,7 @@ def test_in_a_packed_step_one_token_rows_take_the_kernel_and_prompt_chunks_onedn
     with torch.inference_mode(), packed.step_rows([1, 5, 1, 1]):
         out = module(tokens)
     singles = [0, 6, 7]
-    expect_singles = few_linear.linears(tokens[0, singles], [packed._FEW[module]])[0]
+    expect_singles = few_linear.linears(tokens[0, singles], [few_linear.repack(module.weight)])[0]
     assert torch.equal(out[0, singles], expect_singles)
     assert torch.equal(out[0, 1:6], torch.nn.functional.linear(tokens[0, 1:6], weight))
     # a decode step alone: the same bits for each row as beside the chunk
