@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import chunk_kernel, decode_rows, kernels
-from .cache import BlockRows, SlidingLayer
+from .cache import BlockRows, CompressedLayer, SlidingLayer
 from .session import Session
 
 
@@ -35,6 +35,7 @@ class Capture(Protocol):
 
     layers: set[int]
     wants_hidden: bool
+    reads_keys: bool  # whether :meth:`add` reads the keys it is given
 
     def add(self, layer_idx: int, query: torch.Tensor, scale: float | None, keys: torch.Tensor | None = None): ...
 
@@ -67,6 +68,7 @@ class RaggedKV(list):
         super().__init__()
         self.spans, self.captures, self.window, self._masks = spans, captures, window, masks
         self.fast: decode_rows.OneTokenRows | None = None  # rows appended in C (their entries here: None)
+        self.shared: dict[int, CompressedLayer] = {}  # rows whose entry is only the rows after shared ones
 
     def mask(self, b: int) -> torch.Tensor | None:
         start, end = self.spans[b]
@@ -106,7 +108,11 @@ class BatchCache:
                 values.append(None)
                 continue
             session_layer = row.session.cache.layers[layer_idx]
-            k, v = session_layer.update(key_states[:, :, start:end], value_states[:, :, start:end])
+            if getattr(session_layer, "shared", None) is not None and end - start > 1:  # a chunk: kernel
+                k, v = session_layer.update_shared(key_states[:, :, start:end], value_states[:, :, start:end])
+                keys.shared[b] = values.shared[b] = session_layer
+            else:
+                k, v = session_layer.update(key_states[:, :, start:end], value_states[:, :, start:end])
             keys.append(k)
             values.append(v)
         return keys, values
@@ -161,7 +167,8 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
     """``attend`` (an attention function) row by row; query ``[1, H, T, D]`` -> ``[1, T, H, D]``.
     In bf16 / fp16 on a CPU, a one-token row takes :func:`one_token_attention` or the decode
     kernel (engine/kernels.py) instead, and a prompt chunk in bf16 the AMX kernel where the CPU
-    has one (engine/chunk_kernel.py)."""
+    has one (engine/chunk_kernel.py), which also reads a session's shared prefix rows where its
+    blocks hold them (engine/prefix_rows.py); elsewhere those are copied in first."""
     outputs, fused = [], []  # fused: the one-token rows the kernel takes, in one call (engine/kernels.py)
     layer_idx = getattr(module, "layer_idx", None)
     own = _one_token_pays(query) and kwargs.get("softcap") is None
@@ -180,6 +187,11 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
             continue
         q = query[:, :, start:end]
         capture = keys.captures[b]
+        shared = keys.shared.get(b)  # rows after a shared prefix's: the chunk kernel reads both
+        reads = capture is not None and capture.reads_keys and layer_idx in capture.layers
+        if shared is not None and (reads or not (chunks and chunk_kernel.fits(q, keys[b], values[b]))):
+            keys[b], values[b] = shared.keys, shared.values  # copied in: one buffer, as any other row's
+            shared = None
         if capture is not None and layer_idx in capture.layers:
             capture.add(layer_idx, q, scale, keys[b])
         if own and end - start == 1:
@@ -189,7 +201,8 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
             else:
                 outputs.append(one_token_attention(q, keys[b], values[b], scale))
         elif chunks and chunk_kernel.fits(q, keys[b], values[b]):
-            outputs.append(chunk_kernel.attention(q, keys[b], values[b], kernel_scale, keys.window))
+            rows = None if shared is None else shared.shared
+            outputs.append(chunk_kernel.attention(q, keys[b], values[b], kernel_scale, keys.window, shared=rows))
         else:
             outputs.append(attend(module, q, keys[b], values[b], keys.mask(b), **kwargs)[0])
     if fused:

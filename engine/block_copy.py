@@ -11,7 +11,7 @@ OpenMP threads (engine/cbuild.py):
   blocks, one allocation per block (``[parts, 1, H_kv, block, D]``; a block's parts are views
   of it), so a block evicted on its own frees its own memory.
 - :func:`gather_blocks`: consecutive blocks into a new session's buffers, which keep room for
-  the turn's own rows after them (engine/cache.py ``fill_prefix``).
+  the turn's own rows after them (engine/prefix_rows.py ``fill_prefix``).
 
 Both are plain copies: the rows are bit-equal to torch's (tests/test_fill_prefix.py). Without
 a compiler (or with ``KVSNAP_C_KERNELS=0``) :func:`kernel` is None and torch copies.

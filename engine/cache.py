@@ -14,6 +14,9 @@ per layer in place instead of concatenating the whole cache again (transformers'
 ``DynamicLayer`` copies every row on every token). ``keys`` / ``values`` are views of the
 rows in use; sliding-window layers move their start forward and compact when the buffer is
 full, so a Gemma 3 sliding layer copies its window once per block of tokens, not per token.
+A full layer of a session started from a shared prefix may hold only the rows after it and
+refer to the prefix's (``shared``, engine/prefix_rows.py): any use but a prompt chunk's append
+and attention copies them in first (:meth:`BlockRows.own`).
 """
 
 from __future__ import annotations
@@ -22,9 +25,6 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvsnap.policies import gather_rows
-
-from . import block_copy
-from .prefixes import Block
 
 BLOCK_ROWS = 128  # spare rows a layer's buffer gets when it grows (one copy per this many tokens)
 
@@ -39,18 +39,22 @@ class BlockRows:
     def _init_rows(self) -> None:
         self._k = self._v = None
         self._start = self._end = 0
+        self.shared = None  # rows before the buffers' that a shared prefix holds (engine/prefix_rows.py)
 
     @property
     def keys(self) -> torch.Tensor | None:
+        self.own()
         return None if self._k is None else self._k[:, :, self._start : self._end]
 
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:
         self._k = value if value is None or value.dim() == 4 else None
         self._start, self._end = 0, 0 if self._k is None else self._k.shape[-2]
+        self.shared = None
 
     @property
     def values(self) -> torch.Tensor | None:
+        self.own()
         return None if self._v is None else self._v[:, :, self._start : self._end]
 
     @values.setter
@@ -63,22 +67,51 @@ class BlockRows:
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[1, H_kv, n, D]`` new rows after the rows in use; returns views of all of them."""
+        self.own()
+        return self._write(key_states, value_states)
+
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_append` to the buffers alone (shared rows before them stay shared)."""
         n = key_states.shape[-2]
         if self._k is None or self._end + n > self._k.shape[-2]:
             self._grow(key_states, value_states, n)
         self._k[:, :, self._end : self._end + n] = key_states
         self._v[:, :, self._end : self._end + n] = value_states
         self._end += n
-        return self.keys, self.values
+        return self._k[:, :, self._start : self._end], self._v[:, :, self._start : self._end]
 
-    def adopt(self, keys: torch.Tensor, values: torch.Tensor, start: int, end: int) -> None:
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, start: int, end: int, shared=None) -> None:
         """Take ``keys`` / ``values`` as the buffers, rows ``[start, end)`` in use and the rows
-        after them free for appends (:func:`fill_prefix`)."""
-        self._k, self._v, self._start, self._end = keys, values, start, end
+        after them free for appends, after ``shared`` rows a shared prefix holds, if any
+        (engine/prefix_rows.py ``fill_prefix``)."""
+        self._k, self._v, self._start, self._end, self.shared = keys, values, start, end, shared
+
+    def own(self) -> None:
+        """Copy the shared rows in (copy-on-write): every use of the layer but a prompt chunk's
+        append and attention (engine/batch.py) reads or changes its rows as one buffer."""
+        shared = self.shared
+        if shared is None:
+            return
+        self.shared = None
+        used = self._end - self._start
+        keys = self._k.new_empty((*self._k.shape[:2], shared.rows + used + BLOCK_ROWS, self._k.shape[-1]))
+        values = self._v.new_empty(keys.shape)
+        shared.copy_into(keys, values)
+        keys[:, :, shared.rows : shared.rows + used] = self._k[:, :, self._start : self._end]
+        values[:, :, shared.rows : shared.rows + used] = self._v[:, :, self._start : self._end]
+        self._k, self._v, self._start, self._end = keys, values, 0, shared.rows + used
+
+    def held_bytes(self) -> int:
+        """Bytes of the rows this layer holds itself (not the shared ones it refers to)."""
+        if self._k is None:
+            return 0
+        _, heads, _, dim = self._k.shape
+        return 2 * heads * (self._end - self._start) * dim * self._k.element_size()
 
     def _claim_row(self, key_states: torch.Tensor, value_states: torch.Tensor) -> int:
         """:meth:`_append` of one row whose values the caller writes (engine/decode_rows.py):
         room for it (``*_states`` give the shape of a row), counted as in use; its index."""
+        self.own()
         if self._k is None or self._end + 1 > self._k.shape[-2]:
             self._grow(key_states, value_states, 1)
         self._end += 1
@@ -100,6 +133,8 @@ class BlockRows:
     def appended(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the last ``n`` rows appended, read right after their append (a sliding
         layer's window may no longer show them all, but its buffer still holds them)."""
+        if self.shared is not None and n > self._end - self._start:
+            self.own()
         if self._k is None or not 0 < n <= self._end:
             raise ValueError(f"the layer holds {self._end} rows, not the last {n}")
         first = self._end - n
@@ -107,6 +142,7 @@ class BlockRows:
 
     def exact(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows in use as tensors of their own (no spare capacity: what a tier stores)."""
+        self.own()
         if self._k is None:
             return self.keys, self.values
         if self._start == 0 and self._end == self._k.shape[-2]:
@@ -135,9 +171,17 @@ class CompressedLayer(BlockRows, DynamicLayer):
         row = self._claim_row(key_states, value_states)
         return self._k, self._v, row, self._start
 
+    def update_shared(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
+        """:meth:`update` of a prompt chunk that keeps the shared rows shared: views of the
+        buffers' rows (after :attr:`shared`'s), for the chunk kernel (engine/batch.py)."""
+        self.logical_len += key_states.shape[-2]
+        return self._write(key_states, value_states)
+
     @property
     def kept_len(self) -> int:
-        return 0 if not self.is_initialized or self._k is None else self._end - self._start
+        if not self.is_initialized or self._k is None:
+            return 0
+        return self._end - self._start + (0 if self.shared is None else self.shared.rows)
 
     def get_seq_length(self) -> int:
         return self.logical_len
@@ -199,10 +243,12 @@ def full_layer_indices(cache: DynamicCache) -> list[int]:
 
 
 def cache_bytes(cache: DynamicCache) -> int:
-    """Exact bytes of every key and value tensor the cache holds."""
+    """Exact bytes of every key and value row the cache holds (not shared rows it refers to)."""
     total = 0
     for layer in cache.layers:
-        if layer.is_initialized and layer.keys is not None:
+        if isinstance(layer, BlockRows):
+            total += layer.held_bytes()
+        elif layer.is_initialized and layer.keys is not None:
             total += layer.keys.numel() * layer.keys.element_size()
             total += layer.values.numel() * layer.values.element_size()
     return total
@@ -212,13 +258,14 @@ def full_cache_bytes(cache: DynamicCache, logical_len: int) -> int:
     """Bytes the same cache would hold with no compression at ``logical_len`` tokens."""
     total = 0
     for layer in cache.layers:
-        if not layer.is_initialized or layer.keys is None:
+        some = layer._k if isinstance(layer, BlockRows) else layer.keys  # a tensor of its rows' shape
+        if not layer.is_initialized or some is None:
             continue
-        _, heads, _, dim = layer.keys.shape
+        _, heads, _, dim = some.shape
         rows = logical_len
         if isinstance(layer, DynamicSlidingWindowLayer):
             rows = min(logical_len, layer.sliding_window - 1)
-        total += 2 * heads * rows * dim * layer.keys.element_size()
+        total += 2 * heads * rows * dim * some.element_size()
     return total
 
 
@@ -255,64 +302,16 @@ def fill_kv(cache: DynamicCache, tensors: list[torch.Tensor], logical_len: int) 
         keys, values = tensors[2 * i], tensors[2 * i + 1]
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys, values
-        _seen(layer, logical_len)
+        seen(layer, logical_len)
 
 
-def _seen(layer, logical_len: int) -> None:
+def seen(layer, logical_len: int) -> None:
     """A filled layer's count of the tokens it has seen (a compressed layer's logical length, a
     sliding one's cumulative length)."""
     if isinstance(layer, CompressedLayer):
         layer.logical_len = logical_len
     elif isinstance(layer, DynamicSlidingWindowLayer):
         layer.cumulative_length = logical_len
-
-
-def fill_prefix(cache: DynamicCache, blocks: list[Block], spare: int = 0) -> None:
-    """Give a new (empty) session cache the rows a prefill of consecutive shared prefix
-    ``blocks`` leaves: a full layer holds every row, a sliding layer the last
-    ``sliding_window - 1`` (of the blocks that hold them). Where the C copy takes them (2-byte
-    rows of one shape in host memory), one call copies them all, by the blocks' addresses, into
-    buffers with ``spare`` rows free after them (the turn's own tokens then go in place);
-    otherwise one concatenation per layer."""
-    sample_rows = blocks[0].rows
-    sample = sample_rows[0][0]
-    block = sample.shape[-2]
-    n = block * len(blocks)
-    firsts = [  # per layer, the first block holding a row it keeps
-        max(0, n - (layer.sliding_window - 1)) // block if isinstance(layer, SlidingLayer) else 0
-        for layer in cache.layers
-    ]
-    if block_copy.takes([t for kv in sample_rows for t in kv]):  # one C call
-        _, heads, _, dim = sample.shape
-        buffers = [sample.new_empty((1, heads, n - f * block + spare, dim)) for f in firsts for _ in (0, 1)]
-        addresses = b"".join(b.addresses for b in blocks)
-        block_copy.gather_blocks(addresses, len(blocks), block, buffers, [f for f in firsts for _ in (0, 1)])
-    else:
-        rows = [b.rows for b in blocks]
-        buffers = [torch.cat([b[i][p] for b in rows[f:]], dim=-2) for i, f in enumerate(firsts) for p in (0, 1)]
-    for i, (layer, first) in enumerate(zip(cache.layers, firsts, strict=True)):
-        keys, values = buffers[2 * i], buffers[2 * i + 1]
-        layer.lazy_initialization(keys, values)
-        held = n - first * block
-        start = max(0, held - (layer.sliding_window - 1)) if isinstance(layer, SlidingLayer) else 0
-        layer.adopt(keys, values, start, held)
-        _seen(layer, n)
-
-
-def blocks_written(cache: DynamicCache, n: int, block: int) -> list:
-    """Copies of the whole blocks of ``block`` rows that open the last ``n`` rows appended to
-    every layer (a prompt chunk's, read right after it ran), each as a shared prefix block's
-    data (:class:`~.prefixes.Block`). Where the C copy takes them (2-byte rows of one shape in
-    host memory): one call, and per block one tensor ``[2 * layers, 1, H_kv, block, D]`` (its
-    own allocation, so a block evicted alone frees its memory). Otherwise a copy per layer and
-    block: per block, every layer's ``(keys, values)``."""
-    whole = n // block * block
-    views = [tuple(t[:, :, :whole] for t in layer.appended(n)) for layer in cache.layers]
-    parts = [t for kv in views for t in kv]
-    if block_copy.takes(parts):
-        return block_copy.scatter_blocks(parts, block)
-    cut = [(j * block, (j + 1) * block) for j in range(whole // block)]
-    return [[(k[:, :, a:b].clone(), v[:, :, a:b].clone()) for k, v in views] for a, b in cut]
 
 
 def shares_blocks(cache: DynamicCache) -> bool:

@@ -29,6 +29,7 @@ class WindowCapture:
     also scores every row the row's tokens add, from their attention input, as they pass."""
 
     __slots__ = ("window", "layers", "queries", "scales", "scorer", "scores")
+    reads_keys = False  # its add() keeps queries only
 
     def __init__(self, window: int, layers: set[int], scorer=None):
         self.window = window
@@ -67,6 +68,7 @@ class ReconstructionCapture:
     :meth:`scores` multiplies in ``||W_O v_i||`` and reduces each KV group (KVzap's KVzip+)."""
 
     __slots__ = ("starts", "n", "skip", "layers", "norms", "best", "seen")
+    reads_keys = True  # its add() scores the layer's rows
 
     def __init__(self, starts: dict[int, int], n: int, skip: int = 0):
         self.starts, self.n, self.skip, self.layers = starts, n, skip, set(starts)

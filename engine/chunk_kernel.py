@@ -60,7 +60,8 @@ def library(build: str) -> ctypes.CDLL | None:
     fn = lib.chunk_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long]
-    fn.argtypes += [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int]
+    fn.argtypes += [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
+    fn.argtypes += [ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int]
     fn.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     return lib
 
@@ -99,14 +100,24 @@ def fits(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
 
 
 def attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int | None, build: str = ""
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    window: int | None,
+    build: str = "",
+    shared=None,
 ):
     """A chunk's attention: query ``[1, H, T, D]``, the session's rows ``[1, H_kv, L, D]`` (the chunk's
     own last), causal and within ``window`` rows (None: no window) -> ``[1, T, H, D]`` bf16. ``build``:
-    one of :data:`BUILDS` (tests, benchmarks); by default :func:`kernel`'s."""
+    one of :data:`BUILDS` (tests, benchmarks); by default :func:`kernel`'s. ``shared``: rows before
+    ``keys`` / ``values`` that a shared prefix's blocks hold (engine/prefix_rows.py ``SharedRows``)."""
     _, heads, count, dim = query.shape
     kv_heads, rows = keys.shape[1], keys.shape[2]
     out = torch.empty(1, count, heads, dim, dtype=torch.bfloat16)
+    paged = (None, None, 0, 1)  # no shared rows: every row at keys / values
+    if shared is not None:  # per block, its keys' and its values' address
+        paged = (shared.keys.data_ptr(), shared.values.data_ptr(), shared.rows, shared.block)
     failed = (library(build) if build else kernel()).chunk_attention(
         query.data_ptr(),
         query.stride(1),
@@ -115,8 +126,9 @@ def attention(
         keys.stride(1),
         values.data_ptr(),
         values.stride(1),
+        *paged,
         count,
-        rows,
+        rows + (0 if shared is None else shared.rows),
         heads,
         kv_heads,
         dim,

@@ -8,6 +8,9 @@ keys; of a value tile, one key pair of 16 dims), and a unit (one query head, 16 
 its rows in blocks of 256 keys with a running softmax in float32. The tiles multiply a 16 x 32
 operand at a time; the vector build multiplies one such row by one query's pair broadcast
 (``vdpbf16ps``: 16 float32 sums of bf16 pairs an instruction), 16 accumulators in registers.
+The repack reads each row where it lies (``rows_t``): a session's first rows may be a shared
+prefix's, in its blocks (engine/prefix_rows.py), the rest in the session's buffer; the packed
+rows, and so the results, are the same either way.
 """
 
 SOURCE = r"""
@@ -177,17 +180,27 @@ static inline uint16_t to_bf16(float f) {   /* round to nearest even, as torch's
     return (uint16_t)(u >> 16);
 }
 
+/* Where a part's rows lie (a layer's keys or values, [Hkv] heads of rows of D): the first `shared`
+   in a shared prefix's blocks of `bs` rows (block b's part at blocks[b], its heads bs * D values
+   apart), the rest in the session's own buffer `own` (heads `hs` values apart). shared 0: all own. */
+typedef struct { const uint16_t *own; long hs; const long *blocks; long shared, bs; } rows_t;
+
+static inline const uint16_t *row_at(const rows_t *s, long h, long row, int D) {
+    if (row < s->shared) return (const uint16_t *)s->blocks[row / s->bs] + (h * s->bs + row % s->bs) * D;
+    return s->own + h * s->hs + (row - s->shared) * D;
+}
+
 /* Repack one KV head's keys and values (rows of D bf16, L of them) for the tiles, zero past L.
    Keys, per 16 keys (group) and 32 dims: a tile [16 dim pairs][16 keys][2], the keys' transpose
    with pairs of dims kept together (the B operand of queries x keys). Values, per 32 keys and 16
    dims: a tile [16 key pairs][16 dims][2] (the B operand of weights x values). Both 16 x 64 bytes. */
-static void repack_keys(const uint16_t *K, long L, int D, long group, uint16_t *kp) {
+static void repack_keys(const rows_t *K, long h, long L, int D, long group, uint16_t *kp) {
+    const uint16_t *src[16];
+    for (int key = 0; key < 16; key++) src[key] = group * 16 + key < L ? row_at(K, h, group * 16 + key, D) : 0;
     for (int dc = 0; dc < D / 32; dc++) {
         __m512i r[16], t[16], u[16];
-        for (int key = 0; key < 16; key++) {   /* row key: its 32 dims as 16 words (pairs of dims) */
-            long row = group * 16 + key;
-            r[key] = row < L ? _mm512_loadu_si512(K + row * D + dc * 32) : _mm512_setzero_si512();
-        }
+        for (int key = 0; key < 16; key++)   /* row key: its 32 dims as 16 words (pairs of dims) */
+            r[key] = src[key] ? _mm512_loadu_si512(src[key] + dc * 32) : _mm512_setzero_si512();
         /* a 16 x 16 transpose of the words: word pr of every key, in a row per pr */
         for (int i = 0; i < 16; i += 2) {
             t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
@@ -212,15 +225,17 @@ static void repack_keys(const uint16_t *K, long L, int D, long group, uint16_t *
     }
 }
 
-static void repack_values(const uint16_t *V, long L, int D, long pair_group, uint16_t *vp) {
+static void repack_values(const rows_t *V, long h, long L, int D, long pair_group, uint16_t *vp) {
+    const uint16_t *src[32];
+    for (int key = 0; key < 32; key++)
+        src[key] = pair_group * 32 + key < L ? row_at(V, h, pair_group * 32 + key, D) : 0;
     for (int n = 0; n < D / 16; n++) {
         uint16_t *t = vp + (pair_group * (D / 16) + n) * 512;
         for (int kp = 0; kp < 16; kp++) {   /* word d of a key pair: (V[2kp][d], V[2kp + 1][d]) */
-            long row = pair_group * 32 + 2 * kp;
             __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
-            const uint16_t *src = V + row * D + n * 16;
-            if (row < L) a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
-            if (row + 1 < L) b = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + D)));
+            if (src[2 * kp]) a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src[2 * kp] + n * 16)));
+            if (src[2 * kp + 1])
+                b = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src[2 * kp + 1] + n * 16)));
             _mm512_store_si512(t + kp * 32, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
         }
     }
@@ -295,10 +310,13 @@ static void unit(const uint16_t *q, long qsh, long qst, int h, long t0, int rows
     }
 }
 
-/* q: [H] x [T] rows of D bf16 at strides qsh / qst (elements); k / v: [Hkv] x [L] rows of D at head
-   strides ks / vs; out: [T, H, D] bf16. window <= 0: no window. Returns nonzero without memory. */
+/* q: [H] x [T] rows of D bf16 at strides qsh / qst (elements); k / v: [Hkv] x [L] rows of D, the
+   first `shared` in blocks of bs rows (kb / vb: a block's part each), the rest at k / v with head
+   strides ks / vs (rows_t); out: [T, H, D] bf16. window <= 0: no window. Nonzero without memory. */
 int chunk_attention(const uint16_t *q, long qsh, long qst, const uint16_t *k, long ks, const uint16_t *v, long vs,
+                    const long *kb, const long *vb, long shared, long bs,
                     long T, long L, int H, int Hkv, int D, int window, float scale, uint16_t *out, int threads) {
+    const rows_t K = {k, ks, kb, shared, bs}, V = {v, vs, vb, shared, bs};
     long pair_groups = (L + 31) / 32, per_head = pair_groups * 32 * (long)D;   /* padded to 32 keys */
     uint16_t *kp = aligned_alloc(64, sizeof(uint16_t) * (per_head * Hkv + KB * D));
     uint16_t *vp = aligned_alloc(64, sizeof(uint16_t) * (per_head * Hkv + KB * D));
@@ -309,9 +327,9 @@ int chunk_attention(const uint16_t *q, long qsh, long qst, const uint16_t *k, lo
         #pragma omp for schedule(static)
         for (long b = 0; b < Hkv * pair_groups; b++) {
             long g = b / pair_groups, pg = b % pair_groups;
-            repack_keys(k + g * ks, L, D, 2 * pg, kp + g * per_head);
-            repack_keys(k + g * ks, L, D, 2 * pg + 1, kp + g * per_head);
-            repack_values(v + g * vs, L, D, pg, vp + g * per_head);
+            repack_keys(&K, g, L, D, 2 * pg, kp + g * per_head);
+            repack_keys(&K, g, L, D, 2 * pg + 1, kp + g * per_head);
+            repack_values(&V, g, L, D, pg, vp + g * per_head);
         }
         tiles_on();
         #pragma omp for schedule(dynamic)

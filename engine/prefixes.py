@@ -66,7 +66,7 @@ class Block:
     # prefill that made it had them in its observation window (see :func:`window_queries`)
     queries: dict[int, torch.Tensor] | None = None
     nbytes: int = field(init=False, default=0)  # of ``data`` and ``queries``
-    addresses: bytes = field(init=False, default=b"")  # int64s in ``rows``' order (engine/cache.py fill_prefix)
+    addresses: bytes = field(init=False, default=b"")  # int64s in ``rows``' order (engine/prefix_rows.py)
     _rows: list[tuple[torch.Tensor, torch.Tensor]] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:

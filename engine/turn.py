@@ -30,9 +30,10 @@ import torch
 from kvsnap.policies import scored_policy
 
 from .batch import Row
-from .cache import BLOCK_ROWS, blocks_written, fill_prefix, full_layer_indices
+from .cache import BLOCK_ROWS, full_layer_indices
 from .capture import WindowCapture
 from .detok import Detokenizer
+from .prefix_rows import blocks_written, fill_prefix
 from .prefixes import PrefixCache, window_queries
 from .sampling import SamplingParams, sample_next
 from .session import Session, TurnMark, TurnReport

@@ -37,6 +37,7 @@ VOTES = r"""
    rows of D bf16 at strides qsh / qst; k: [Hkv] x [L] rows of D at head stride ks. */
 int window_votes(const uint16_t *q, long qsh, long qst, const uint16_t *k, long ks, long L, int H, int Hkv, int D,
                  int w, float scale, float *votes, int threads) {
+    const rows_t K = {k, ks, 0, 0, 1};   /* every row in one buffer */
     const long pair_groups = (L + 31) / 32, per_head = pair_groups * 32 * (long)D, Lp = pair_groups * 32;
     const long P = L - w, nqb = (w + QB - 1) / QB, units = nqb * H;
     const int DC = D / 32;
@@ -50,8 +51,8 @@ int window_votes(const uint16_t *q, long qsh, long qst, const uint16_t *k, long 
         #pragma omp for schedule(static)
         for (long b = 0; b < Hkv * pair_groups; b++) {
             long g = b / pair_groups, pg = b % pair_groups;
-            repack_keys(k + g * ks, L, D, 2 * pg, kp + g * per_head);
-            repack_keys(k + g * ks, L, D, 2 * pg + 1, kp + g * per_head);
+            repack_keys(&K, g, L, D, 2 * pg, kp + g * per_head);
+            repack_keys(&K, g, L, D, 2 * pg + 1, kp + g * per_head);
         }
         tiles_on();
         __attribute__((aligned(64))) uint16_t qbuf[QB * MAXD];

@@ -119,7 +119,9 @@ def test_a_bf16_chunk_takes_the_kernel_and_a_float32_one_sdpa(gemma_engine, gemm
 
     calls = []
     real = chunk_kernel.attention
-    monkeypatch.setattr(chunk_kernel, "attention", lambda q, k, v, s, w: (calls.append(w), real(q, k, v, s, w))[1])
+    monkeypatch.setattr(
+        chunk_kernel, "attention", lambda q, k, v, s, w, **kw: (calls.append(w), real(q, k, v, s, w, **kw))[1]
+    )
     tokens = random_tokens(700, seed=11, high=20000)
 
     def prefill(engine):

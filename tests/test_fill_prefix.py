@@ -1,5 +1,5 @@
 """Shared prefix blocks copied in C (engine/block_copy.py). A session starting from them
-(engine/cache.py ``fill_prefix``): the C copy of bf16 blocks into buffers with spare rows gives
+(engine/prefix_rows.py ``fill_prefix``): the C copy of bf16 blocks into buffers with spare rows gives
 the cache one concatenation per layer gives, bit for bit (a sliding layer's window too),
 appends go in place after it, and a later chat's answer on a shared document is the same
 either way. A first chat making them (``blocks_written``): one allocation a block, rows equal
@@ -12,8 +12,9 @@ from array import array
 import pytest
 import torch
 
-from kvsnap.engine import Engine, SamplingParams, block_copy, load_model
-from kvsnap.engine.cache import BlockRows, CompressedLayer, blocks_written, export_kv, fill_prefix
+from kvsnap.engine import Engine, SamplingParams, block_copy, load_model, prefix_rows
+from kvsnap.engine.cache import BlockRows, CompressedLayer, export_kv
+from kvsnap.engine.prefix_rows import blocks_written, fill_prefix
 from kvsnap.engine.prefixes import Block
 from kvsnap.policies import make_policy
 
@@ -39,6 +40,7 @@ def later_chat(engine: Engine, question: list[int]):
 
 def test_the_c_copy_equals_the_concatenation_and_appends_go_in_place(bf16_sharing, monkeypatch):
     engine = bf16_sharing
+    monkeypatch.setattr(prefix_rows, "REFER", False)  # copied: tests/test_prefix_rows.py has referred rows
     later_chat(engine, random_tokens(5, seed=1))  # the document's blocks
     blocks = engine.prefixes.lookup("acme", DOCUMENT, len(DOCUMENT))
     assert len(blocks) == 12
