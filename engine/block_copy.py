@@ -12,6 +12,8 @@ OpenMP threads (engine/cbuild.py):
   of it), so a block evicted on its own frees its own memory.
 - :func:`gather_blocks`: consecutive blocks into a new session's buffers, which keep room for
   the turn's own rows after them (engine/prefix_rows.py ``fill_prefix``).
+- :func:`gather_rows`: the rows a compression keeps of a session whose first rows are still a
+  shared prefix's (engine/prefix_rows.py): from the blocks and the session's buffer at once.
 
 Both are plain copies: the rows are bit-equal to torch's (tests/test_fill_prefix.py). Without
 a compiler (or with ``KVSNAP_C_KERNELS=0``) :func:`kernel` is None and torch copies.
@@ -55,6 +57,21 @@ void scatter_blocks(long B, long P, long T, long Hkv, long D, const long *src, c
                 memcpy(dst[b] + (p * Hkv + h) * T * D, (const uint16_t *)src[p] + h * hs[p] + b * T * D,
                        sizeof(uint16_t) * T * D);
 }
+
+/* Rows pos[h * R + r] of a layer's keys or values whose first `shared` rows lie in blocks of bs
+   rows (block b's part at blocks[b], its heads bs * D values apart) and the rest at own (heads hs
+   apart), to dst ([Hkv, R, D] contiguous): a selection kept from shared and own rows at once. */
+void gather_rows(long R, long Hkv, long D, const long *blocks, long shared, long bs, const uint16_t *own, long hs,
+                 const long *pos, uint16_t *dst, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long h = 0; h < Hkv; h++)
+        for (long r = 0; r < R; r++) {
+            long p = pos[h * R + r];
+            const uint16_t *src = p < shared ? (const uint16_t *)blocks[p / bs] + (h * bs + p % bs) * D
+                                             : own + h * hs + (p - shared) * D;
+            memcpy(dst + (h * R + r) * D, src, sizeof(uint16_t) * D);
+        }
+}
 """
 
 
@@ -67,6 +84,9 @@ def kernel() -> ctypes.CDLL | None:
         lib.gather_blocks.restype = lib.scatter_blocks.restype = None
         lib.gather_blocks.argtypes = [ctypes.c_long] * 5 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
         lib.scatter_blocks.argtypes = [ctypes.c_long] * 5 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+        lib.gather_rows.restype = None
+        lib.gather_rows.argtypes = [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
+        lib.gather_rows.argtypes += [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -124,3 +144,27 @@ def scatter_blocks(parts: list[torch.Tensor], block: int) -> list[torch.Tensor]:
         torch.get_num_threads(),
     )
     return blocks
+
+
+def gather_rows(addresses: torch.Tensor, shared: int, block: int, own: torch.Tensor, positions: torch.Tensor):
+    """Rows ``positions`` (``[1, H_kv, k]`` int64, contiguous) of a layer's keys or values whose first
+    ``shared`` rows lie in blocks of ``block`` rows (``addresses``: int64 ``[blocks]``, each block's
+    part ``[1, H_kv, block, D]`` contiguous) and the rest in ``own`` (``[1, H_kv, n, D]``, rows of D
+    contiguous) -> a new ``[1, H_kv, k, D]`` tensor."""
+    _, heads, count = positions.shape
+    dim = own.shape[-1]
+    out = own.new_empty((1, heads, count, dim))
+    kernel().gather_rows(
+        count,
+        heads,
+        dim,
+        addresses.data_ptr(),
+        shared,
+        block,
+        own.data_ptr(),
+        own.stride(1),
+        positions.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out

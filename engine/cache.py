@@ -78,7 +78,7 @@ class BlockRows:
         self._k[:, :, self._end : self._end + n] = key_states
         self._v[:, :, self._end : self._end + n] = value_states
         self._end += n
-        return self._k[:, :, self._start : self._end], self._v[:, :, self._start : self._end]
+        return self.own_rows()
 
     def adopt(self, keys: torch.Tensor, values: torch.Tensor, start: int, end: int, shared=None) -> None:
         """Take ``keys`` / ``values`` as the buffers, rows ``[start, end)`` in use and the rows
@@ -100,6 +100,10 @@ class BlockRows:
         keys[:, :, shared.rows : shared.rows + used] = self._k[:, :, self._start : self._end]
         values[:, :, shared.rows : shared.rows + used] = self._v[:, :, self._start : self._end]
         self._k, self._v, self._start, self._end = keys, values, 0, shared.rows + used
+
+    def own_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the buffers' rows in use (after any shared rows: those are not copied in)."""
+        return self._k[:, :, self._start : self._end], self._v[:, :, self._start : self._end]
 
     def held_bytes(self) -> int:
         """Bytes of the rows this layer holds itself (not the shared ones it refers to)."""
@@ -191,10 +195,14 @@ class CompressedLayer(BlockRows, DynamicLayer):
         return self.kept_len + query_length, self.logical_len - self.kept_len
 
     def keep(self, positions: torch.Tensor) -> None:
-        """Keep only ``positions`` ([1, H_kv, k], ascending physical rows)."""
-        keys = gather_rows(self.keys, positions).contiguous()
-        self.values = gather_rows(self.values, positions).contiguous()
-        self.keys = keys
+        """Keep only ``positions`` ([1, H_kv, k], ascending physical rows); of shared rows, only
+        those (never copied in whole)."""
+        if self.shared is not None:
+            keys, values = self.shared.gather(*self.own_rows(), positions)
+        else:
+            keys = gather_rows(self.keys, positions).contiguous()
+            values = gather_rows(self.values, positions).contiguous()
+        self.keys, self.values = keys, values
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a compressed layer cannot be cropped")

@@ -18,6 +18,7 @@ from kvsnap.policies.kvzap import Surrogate, trained_for, weights_path
 from .batch import Row
 from .cache import CompressedLayer, export_kv, full_layer_indices, import_kv
 from .capture import ReconstructionCapture, WindowCapture
+from .prefix_rows import keys_for
 from .session import Session
 from .spans import layer_spans, span_ends
 from .turn import Prefill, Timer
@@ -80,8 +81,9 @@ class Compression:
                 by_old[old_rows] = self.row_spans(session.policy, new, old_rows=old_rows)
             spans = by_old[old_rows]
             scale = captured.scales.get(idx)
+            keys = keys_for(layer, session.policy)  # shared prefix rows: read where they lie
             positions = session.policy.select(
-                captured.queries[idx], layer.keys, scale, logical_len=session.logical_len, spans=spans
+                captured.queries[idx], keys, scale, logical_len=session.logical_len, spans=spans
             )
             if positions.shape[-1] < layer.kept_len:
                 layer.keep(positions)

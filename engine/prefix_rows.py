@@ -19,7 +19,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache
 
-from . import block_copy, chunk_kernel
+from kvsnap.policies.base import window_votes
+from kvsnap.policies.snapkv import SnapKV
+
+from . import block_copy, chunk_kernel, votes_kernel
 from .cache import CompressedLayer, SlidingLayer, seen
 from .prefixes import Block
 
@@ -41,6 +44,44 @@ class SharedRows:
     def copy_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Copy the rows to the first :attr:`rows` rows of ``keys`` / ``values`` ``[1, H_kv, cap, D]``."""
         block_copy.gather_blocks(self._pairs.numpy().tobytes(), len(self.blocks), self.block, [keys, values], [0, 0])
+
+    def gather(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
+        """Rows ``positions`` (``[1, H_kv, k]``, ascending) of these rows followed by ``keys`` /
+        ``values`` (the layer's own) as new ``[1, H_kv, k, D]`` tensors (a compression's kept rows)."""
+        positions = positions.contiguous()
+        return tuple(
+            block_copy.gather_rows(table, self.rows, self.block, own, positions)
+            for table, own in ((self.keys, keys), (self.values, values))
+        )
+
+
+class LayerKeys:
+    """A referring layer's keys as SnapKV's selection reads them (policies/base.py ``select``):
+    their shape, and the window's votes over the rows in the blocks and in the layer's buffer
+    (engine/votes_kernel.py), without copying the shared ones in. Where the votes kernel does not
+    take them, the layer's rows are copied in and torch's path votes."""
+
+    def __init__(self, layer: CompressedLayer):
+        self.layer = layer
+        own = layer.own_rows()[0]
+        self.shape = torch.Size((own.shape[0], own.shape[1], layer.kept_len, own.shape[3]))
+        self.device, self.dtype = own.device, own.dtype
+
+    def window_votes(self, window_queries: torch.Tensor, scale: float | None) -> torch.Tensor:
+        own, shared = self.layer.own_rows()[0], self.layer.shared
+        scale = self.shape[-1] ** -0.5 if scale is None else scale
+        if shared is not None and votes_kernel.takes(window_queries, own, shared.rows):
+            return votes_kernel.votes(window_queries, own, scale, shared=shared)
+        return window_votes(window_queries, self.layer.keys, scale)
+
+
+def keys_for(layer, policy) -> torch.Tensor | LayerKeys:
+    """What a compression hands ``policy`` as ``layer``'s keys: a referring full layer's
+    :class:`LayerKeys` for SnapKV's own selection (its votes read the blocks), else its keys
+    (any shared rows copied in first)."""
+    if getattr(layer, "shared", None) is not None and type(policy) is SnapKV:
+        return LayerKeys(layer)
+    return layer.keys
 
 
 def fill_prefix(cache: DynamicCache, blocks: list[Block], spare: int = 0) -> None:

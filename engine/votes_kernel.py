@@ -34,10 +34,11 @@ from .chunk_source import SOURCE as CHUNK_SOURCE
 VOTES = r"""
 /* SnapKV's votes: query head h's window query i sits at row L - w + i and sees rows up to it;
    votes[h * (L - w) + j] = sum over i of its softmax weight on row j (j < L - w). q: [H] x [w]
-   rows of D bf16 at strides qsh / qst; k: [Hkv] x [L] rows of D at head stride ks. */
-int window_votes(const uint16_t *q, long qsh, long qst, const uint16_t *k, long ks, long L, int H, int Hkv, int D,
-                 int w, float scale, float *votes, int threads) {
-    const rows_t K = {k, ks, 0, 0, 1};   /* every row in one buffer */
+   rows of D bf16 at strides qsh / qst; k: [Hkv] x [L] rows of D, the first `shared` in blocks of bs
+   rows (kb: a block's part each), the rest at k with head stride ks (rows_t). */
+int window_votes(const uint16_t *q, long qsh, long qst, const uint16_t *k, long ks, const long *kb, long shared,
+                 long bs, long L, int H, int Hkv, int D, int w, float scale, float *votes, int threads) {
+    const rows_t K = {k, ks, kb, shared, bs};
     const long pair_groups = (L + 31) / 32, per_head = pair_groups * 32 * (long)D, Lp = pair_groups * 32;
     const long P = L - w, nqb = (w + QB - 1) / QB, units = nqb * H;
     const int DC = D / 32;
@@ -130,28 +131,34 @@ def library() -> ctypes.CDLL | None:
         return None
     fn = lib.window_votes
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    fn.argtypes += [ctypes.c_long, ctypes.c_long, ctypes.c_long]
     fn.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
     fn.argtypes += [ctypes.c_int]
     return lib
 
 
-def takes(window_queries: torch.Tensor, keys: torch.Tensor) -> bool:
+def takes(window_queries: torch.Tensor, keys: torch.Tensor, shared: int = 0) -> bool:
     """Whether :func:`votes` takes these: bf16 on a CPU, one sequence, the chunk kernel's head dims,
-    whole query heads a KV head, rows of contiguous dims, a window shorter than the rows."""
+    whole query heads a KV head, rows of contiguous dims, a window shorter than the rows (with
+    ``shared`` rows before ``keys``)."""
     return (
         chunk_kernel.fits(window_queries, keys, keys)
-        and keys.shape[2] > window_queries.shape[2]
+        and keys.shape[2] + shared > window_queries.shape[2]
         and library() is not None
     )
 
 
-def votes(window_queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+def votes(window_queries: torch.Tensor, keys: torch.Tensor, scale: float, shared=None) -> torch.Tensor:
     """SnapKV's votes: ``[1, H, w, D]`` window queries over ``[1, H_kv, L, D]`` rows (the window
     the last ``w``) -> ``[1, H_kv, G, L - w]`` float32, each window query's causal softmax summed
-    over the window, for the rows before it (:func:`takes` them)."""
+    over the window, for the rows before it (:func:`takes` them). ``shared``: rows before ``keys``
+    that a shared prefix's blocks hold (engine/prefix_rows.py ``SharedRows``), counted in L."""
     _, heads, w, dim = window_queries.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
+    paged = (None, 0, 1)  # no shared rows: every row at keys
+    if shared is not None:
+        paged, length = (shared.keys.data_ptr(), shared.rows, shared.block), length + shared.rows
     out = torch.empty(heads, length - w, dtype=torch.float32)
     failed = library().window_votes(
         window_queries.data_ptr(),
@@ -159,6 +166,7 @@ def votes(window_queries: torch.Tensor, keys: torch.Tensor, scale: float) -> tor
         window_queries.stride(2),
         keys.data_ptr(),
         keys.stride(1),
+        *paged,
         length,
         heads,
         kv_heads,

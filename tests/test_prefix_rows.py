@@ -1,8 +1,9 @@
 """A session's full layers refer to a shared prefix's rows instead of copying them
 (engine/prefix_rows.py, copy-on-write): the chunk kernel reads rows from the blocks exactly as
 from one buffer; a later chat that refers gives the tokens and cache a copying one gives, bit
-for bit; its first step copies nothing, its first other use of a layer copies the rows in; the
-rows stay readable when the prefix cache evicts the blocks; and its bytes are its own rows."""
+for bit; its prompt's step and its SnapKV compression copy no shared row in whole (the
+compression gathers the rows it keeps), any other use of a layer copies them in; the rows stay
+readable when the prefix cache evicts the blocks; and its bytes are its own rows."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import gc
 import pytest
 import torch
 
-from kvsnap.engine import Engine, SamplingParams, block_copy, chunk_kernel, load_model, prefix_rows
+from kvsnap.engine import Engine, SamplingParams, block_copy, chunk_kernel, load_model, prefix_rows, votes_kernel
 from kvsnap.engine.cache import CompressedLayer, SlidingLayer, cache_bytes, export_kv
 from kvsnap.engine.prefix_rows import SharedRows, fill_prefix
 from kvsnap.engine.prefixes import PrefixCache
-from kvsnap.policies import make_policy
+from kvsnap.policies import gather_rows, make_policy
 
 from .conftest import random_tokens
 from .test_chunk_kernel import rows
@@ -59,6 +60,17 @@ def test_rows_read_from_blocks_give_the_bits_of_one_buffer(build, heads, kv_head
     assert torch.equal(copied_k[:, :, :shared], keys[:, :, :shared]) and torch.equal(
         copied_v[:, :, :shared], values[:, :, :shared]
     )
+    # SnapKV's votes of the last 8 queries (with those rows' own keys) and a compression's kept rows
+    window = query[:, :, -8:]
+    assert torch.equal(
+        votes_kernel.votes(window, own_k, dim**-0.5, shared=refs), votes_kernel.votes(window, keys, dim**-0.5)
+    )
+    gen = torch.Generator().manual_seed(length)
+    positions = torch.stack(
+        [torch.randperm(length, generator=gen)[: length // 2].sort().values for _ in range(kv_heads)]
+    )[None]
+    for got, whole_rows in zip(refs.gather(own_k, own_v, positions), (keys, values), strict=True):
+        assert torch.equal(got, gather_rows(whole_rows, positions))
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma3", "gemma3-270m"])
@@ -91,13 +103,15 @@ def test_a_later_chat_that_refers_answers_and_holds_what_a_copying_one_does(shar
     full = len(engine.full_layers)
     kernel_heads = engine.model.config.head_dim % 32 == 0
     assert by_ref.report.cached_tokens == 56
-    # the prompt's chunk read the blocks where the kernel takes its heads, then the compression
-    # copied them in; elsewhere they were copied in for the chunk: once a layer either way
+    # where the kernels take its heads, the prompt's chunk and SnapKV's votes read the blocks and
+    # the compression gathered the rows it keeps from them: the shared rows were never copied in
+    # whole; elsewhere they were copied in for the chunk's attention, once a layer
     assert [c.rows for c in calls if c is not None] == ([56] * full if kernel_heads else [])
-    assert copies == [56] * full
+    assert copies == ([] if kernel_heads else [56] * full)
+    copied_in = len(copies)
     monkeypatch.setattr(prefix_rows, "REFER", False)
     copied, by_copy = later_chat(engine, question)
-    assert by_copy.report.cached_tokens == 56 and len(copies) == full  # no reference: nothing copied in
+    assert by_copy.report.cached_tokens == 56 and len(copies) == copied_in  # no reference: nothing copied in
     assert by_ref.tokens == by_copy.tokens
     for a, b in zip(export_kv(referred.cache), export_kv(copied.cache), strict=True):
         assert torch.equal(a, b)
