@@ -12,22 +12,20 @@ import gc
 import pytest
 import torch
 
-from kvsnap.engine import Engine, SamplingParams, block_copy, chunk_kernel, load_model, prefix_rows, votes_kernel
+from kvsnap.engine import Engine, block_copy, chunk_kernel, load_model, prefix_rows, votes_kernel
 from kvsnap.engine.cache import CompressedLayer, SlidingLayer, cache_bytes, export_kv
 from kvsnap.engine.prefix_rows import SharedRows, fill_prefix
 from kvsnap.engine.prefixes import PrefixCache
-from kvsnap.policies import gather_rows, make_policy
+from kvsnap.policies import gather_rows
 
 from .conftest import random_tokens
 from .test_chunk_kernel import rows
+from .test_fill_prefix import DOCUMENT, later_chat
 
 pytestmark = pytest.mark.skipif(
     chunk_kernel.kernel() is None or block_copy.kernel() is None,
     reason="no AMX or AVX-512 BF16 (or no compiler): shared rows are always copied",
 )
-
-DOCUMENT = random_tokens(50, seed=71)  # 12 blocks of 4
-GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 
 
 def as_blocks(keys: torch.Tensor, values: torch.Tensor, shared: int, block: int):
@@ -80,12 +78,6 @@ def sharing(request) -> Engine:
     Gemma 3's of 256 are (the kernel reads the blocks); both have sliding layers (copied)."""
     loaded = load_model(request.param, dtype="bfloat16")
     return Engine(loaded, prefill_chunk=16, prefix_cache_bytes=64 << 20, prefix_block=4)
-
-
-def later_chat(engine: Engine, question: list[int]):
-    session = engine.new_session(make_policy("snapkv", budget=24, window=8))
-    session.prefix_scope = "acme"
-    return session, engine.turn(session, DOCUMENT + question, GREEDY)
 
 
 def test_a_later_chat_that_refers_answers_and_holds_what_a_copying_one_does(sharing, monkeypatch):
