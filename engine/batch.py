@@ -187,11 +187,11 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
             continue
         q = query[:, :, start:end]
         capture = keys.captures[b]
-        shared = keys.shared.get(b)  # rows after a shared prefix's: the chunk kernel reads both
+        referring = keys.shared.get(b)  # its layer: rows after a shared prefix's, the kernel reads both
         reads = capture is not None and capture.reads_keys and layer_idx in capture.layers
-        if shared is not None and (reads or not (chunks and chunk_kernel.fits(q, keys[b], values[b]))):
-            keys[b], values[b] = shared.keys, shared.values  # copied in: one buffer, as any other row's
-            shared = None
+        if referring is not None and (reads or not (chunks and chunk_kernel.fits(q, keys[b], values[b]))):
+            keys[b], values[b] = referring.keys, referring.values  # copied in: one buffer, as any other row's
+            referring = None
         if capture is not None and layer_idx in capture.layers:
             capture.add(layer_idx, q, scale, keys[b])
         if own and end - start == 1:
@@ -201,8 +201,8 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
             else:
                 outputs.append(one_token_attention(q, keys[b], values[b], scale))
         elif chunks and chunk_kernel.fits(q, keys[b], values[b]):
-            rows = None if shared is None else shared.shared
-            outputs.append(chunk_kernel.attention(q, keys[b], values[b], kernel_scale, keys.window, shared=rows))
+            shared = None if referring is None else referring.shared
+            outputs.append(chunk_kernel.attention(q, keys[b], values[b], kernel_scale, keys.window, shared=shared))
         else:
             outputs.append(attend(module, q, keys[b], values[b], keys.mask(b), **kwargs)[0])
     if fused:

@@ -5,10 +5,13 @@ prefilling it. Where the blocks are bf16 in host memory, with the C copy and the
 kernel built (engine/block_copy.py, engine/chunk_kernel.py), a full-attention layer does not
 copy them: it refers to them (:class:`SharedRows`, the layer's ``shared``) and its own buffer
 holds only the rows after them. The turn's prompt chunks append to that buffer and the chunk
-kernel reads the shared rows where the blocks keep them (engine/batch.py); the first other use
-of the layer (the turn's compression, a decode step, an export to a tier) copies them in
-(``BlockRows.own``: copy-on-write), so every other path sees one buffer as before. A session's
-reference keeps the blocks' memory alive if the prefix cache evicts them meanwhile. Sliding
+kernel reads the shared rows where the blocks keep them (engine/batch.py); SnapKV's selection
+votes over them there too (:class:`LayerKeys`) and the compression gathers the rows it keeps
+from the blocks and the buffer (``CompressedLayer.keep``), so a compressing session never holds
+a whole copy. The first other use of the layer (a decode step of a session that did not
+compress, an export to a tier, another policy's selection) copies them in (``BlockRows.own``:
+copy-on-write), so every other path sees one buffer as before. A session's reference keeps the
+blocks' memory alive if the prefix cache evicts them meanwhile. Sliding
 layers (Gemma 3's) copy the window they keep, as do all layers elsewhere (one C call, or a
 concatenation per layer without the C copy). Either way the session's rows and results are
 the same, bit for bit (tests/test_prefix_rows.py).
