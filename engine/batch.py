@@ -7,13 +7,14 @@ runs once over the packed tokens, which reads the weights once for all rows: tha
 decode step's time goes, and a small prompt chunk shares that read instead of paying its own. Each token
 carries its own RoPE position (its session's ``logical_len`` onwards).
 
-At every layer :class:`BatchCache` writes row b's new keys and values into session b's own
-cache layer and hands the attention function a :class:`RaggedKV`: per row, views of that
-session's rows (its kept rows plus the new ones) and the row's mask, so no cache is padded,
+At every layer :class:`BatchCache` writes row b's new keys and values into session b's own cache
+layer and hands the attention function a :class:`RaggedKV`: per row, views of that session's
+rows (its kept rows plus the new ones; of a layer that still refers to a shared prefix's rows,
+only those after them: the chunk kernel reads both) and the row's mask, so no cache is padded,
 stacked or copied per step, and a row can only ever attend to its own session's rows. A row of
-one token sees every row its layer returns (a full layer returns its kept rows, a sliding
-layer its last ``window - 1``): no mask. A row of a prompt chunk gets a causal mask, banded to
-the window on sliding-window layers (the same masks transformers builds for one session).
+one token sees every row its layer returns (a full layer returns its kept rows, a sliding layer
+its last ``window - 1``): no mask. A row of a prompt chunk gets a causal mask, banded to the
+window on sliding-window layers (the same masks transformers builds for one session).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Capture(Protocol):
 
     layers: set[int]
     wants_hidden: bool
-    reads_keys: bool  # whether :meth:`add` reads the keys it is given
+    reads_keys: bool  # whether :meth:`add` reads the keys it is given (absent: taken as True)
 
     def add(self, layer_idx: int, query: torch.Tensor, scale: float | None, keys: torch.Tensor | None = None): ...
 
@@ -188,8 +189,9 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
         q = query[:, :, start:end]
         capture = keys.captures[b]
         referring = keys.shared.get(b)  # its layer: rows after a shared prefix's, the kernel reads both
-        reads = capture is not None and capture.reads_keys and layer_idx in capture.layers
-        if referring is not None and (reads or not (chunks and chunk_kernel.fits(q, keys[b], values[b]))):
+        if referring is not None and (
+            reads_keys(capture, layer_idx) or not (chunks and chunk_kernel.fits(q, keys[b], values[b]))
+        ):
             keys[b], values[b] = referring.keys, referring.values  # copied in: one buffer, as any other row's
             referring = None
         if capture is not None and layer_idx in capture.layers:
@@ -219,6 +221,11 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
         for i, b in enumerate(appended.index):
             outputs[b] = done[i][None, None]
     return torch.cat(outputs, dim=1), None
+
+
+def reads_keys(capture: Capture | None, layer_idx: int | None) -> bool:
+    """Whether ``capture`` reads this layer's keys (one that does not say is taken to)."""
+    return capture is not None and layer_idx in capture.layers and getattr(capture, "reads_keys", True)
 
 
 def chunk_attention(

@@ -15,7 +15,7 @@ OpenMP threads (engine/cbuild.py):
 - :func:`gather_rows`: the rows a compression keeps of a session whose first rows are still a
   shared prefix's (engine/prefix_rows.py): from the blocks and the session's buffer at once.
 
-Both are plain copies: the rows are bit-equal to torch's (tests/test_fill_prefix.py). Without
+All are plain copies: the rows are bit-equal to torch's (tests/test_fill_prefix.py). Without
 a compiler (or with ``KVSNAP_C_KERNELS=0``) :func:`kernel` is None and torch copies.
 """
 

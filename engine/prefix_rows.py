@@ -51,7 +51,7 @@ class SharedRows:
     def gather(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
         """Rows ``positions`` (``[1, H_kv, k]``, ascending) of these rows followed by ``keys`` /
         ``values`` (the layer's own) as new ``[1, H_kv, k, D]`` tensors (a compression's kept rows)."""
-        positions = positions.contiguous()
+        positions = positions.to(torch.int64).contiguous()  # what the C reads
         return tuple(
             block_copy.gather_rows(table, self.rows, self.block, own, positions)
             for table, own in ((self.keys, keys), (self.values, values))
@@ -76,6 +76,15 @@ class LayerKeys:
         if shared is not None and votes_kernel.takes(window_queries, own, shared.rows):
             return votes_kernel.votes(window_queries, own, scale, shared=shared)
         return window_votes(window_queries, self.layer.keys, scale)
+
+
+def own_all(cache: DynamicCache) -> None:
+    """Copy in any shared rows a session's layers still refer to (a turn that ends without a
+    compression that dropped rows): between turns a session holds its rows, as its byte counts,
+    its export to a tier and a rewind expect."""
+    for layer in cache.layers:
+        if getattr(layer, "shared", None) is not None:
+            layer.own()
 
 
 def keys_for(layer, policy) -> torch.Tensor | LayerKeys:

@@ -23,9 +23,10 @@ layer (a sliding-window layer's too, so that a prefix of any number of blocks ca
 session), and the queries of those of its tokens its prefill had in its observation window (a
 chunk's last ``window`` tokens), which a later session whose window reaches back into the
 prefix takes instead of prefilling those tokens again (:func:`window_queries`). Blocks are
-immutable: a session copies the rows it starts from into its own cache, which its own question
-then compresses. A budget in bytes, least recently used first; a block is touched after its
-descendants, so the least recently used block is always a leaf.
+immutable: a session starts from their rows (engine/prefix_rows.py: referred to where the
+kernels read them, else copied into its own cache) and its own question then selects its own. A
+budget in bytes, least recently used first; a block is touched after its descendants, so the
+least recently used block is always a leaf.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from .batch import Row
 from .cache import BLOCK_ROWS, full_layer_indices
 from .capture import WindowCapture
 from .detok import Detokenizer
-from .prefix_rows import blocks_written, fill_prefix
+from .prefix_rows import blocks_written, fill_prefix, own_all
 from .prefixes import PrefixCache, window_queries
 from .sampling import SamplingParams, sample_next
 from .session import Session, TurnMark, TurnReport
@@ -278,6 +278,7 @@ class Turn:
         self.settle()
         self.done = True
         session = self.session
+        own_all(session.cache)  # shared prefix rows still referred to (nothing compressed away): now its own
         if self.detok is not None:
             self.detok.finish()
         session.turns += 1

@@ -12,7 +12,7 @@ import gc
 import pytest
 import torch
 
-from kvsnap.engine import Engine, block_copy, chunk_kernel, load_model, prefix_rows, votes_kernel
+from kvsnap.engine import Engine, SamplingParams, block_copy, chunk_kernel, load_model, prefix_rows, votes_kernel
 from kvsnap.engine.cache import CompressedLayer, SlidingLayer, cache_bytes, export_kv
 from kvsnap.engine.prefix_rows import SharedRows, fill_prefix
 from kvsnap.engine.prefixes import PrefixCache
@@ -92,6 +92,7 @@ def test_a_later_chat_that_refers_answers_and_holds_what_a_copying_one_does(shar
         SharedRows, "copy_into", lambda self, k, v: (copies.append(self.rows), copy_into(self, k, v))[1]
     )
     referred, by_ref = later_chat(engine, question)
+    assert all(layer.shared is None for layer in referred.cache.layers)  # its compression let the blocks go
     full = len(engine.full_layers)
     kernel_heads = engine.model.config.head_dim % 32 == 0
     assert by_ref.report.cached_tokens == 56
@@ -107,7 +108,28 @@ def test_a_later_chat_that_refers_answers_and_holds_what_a_copying_one_does(shar
     assert by_ref.tokens == by_copy.tokens
     for a, b in zip(export_kv(referred.cache), export_kv(copied.cache), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_turn_that_drops_no_row_ends_holding_its_rows(sharing):
+    """No compression dropped a row and no decode step ran (full KV, one token): the turn's end
+    copies the shared rows in, so the session's bytes, its report and its export are its own."""
+    engine = sharing
+    later_chat(engine, random_tokens(5, seed=7))
+    one = SamplingParams(max_new_tokens=1, temperature=0.0)
+    results = {}
+    for refer in (True, False):
+        prefix_rows.REFER = refer
+        try:
+            session = engine.new_session("full")
+            session.prefix_scope = "acme"
+            question = random_tokens(6, seed=8 + refer)  # each its own: neither starts from the other's blocks
+            results[refer] = session, engine.turn(session, DOCUMENT + question, one)
+        finally:
+            prefix_rows.REFER = True
+    (referred, by_ref), (_, by_copy) = results[True], results[False]
+    assert by_ref.report.cached_tokens == by_copy.report.cached_tokens == 48
     assert all(layer.shared is None for layer in referred.cache.layers)
+    assert by_ref.report.kv_bytes == by_copy.report.kv_bytes == referred.kv_bytes == by_ref.report.full_kv_bytes
 
 
 def test_referred_rows_outlive_their_eviction_and_count_as_the_prefix_caches(sharing):
@@ -123,11 +145,15 @@ def test_referred_rows_outlive_their_eviction_and_count_as_the_prefix_caches(sha
         prefix_rows.REFER = True
     full = [i for i, layer in enumerate(referred.layers) if isinstance(layer, CompressedLayer)]
     assert all(referred.layers[i].shared is not None and referred.layers[i].kept_len == 48 for i in full)
+    ids = [id(b) for b in blocks]
+    assert all([id(b) for b in referred.layers[i].shared.blocks] == ids for i in full)  # the blocks themselves
     windows = sum(layer.held_bytes() for layer in referred.layers if isinstance(layer, SlidingLayer))
     assert cache_bytes(referred) == windows < cache_bytes(copied)  # the shared rows are not this session's
+    sizes = [b.data.numel() for b in blocks]
     engine.prefixes = PrefixCache(engine.prefixes.block, engine.prefixes.budget)  # every block dropped
     del blocks
     gc.collect()
+    junk = [torch.full((n,), 7.0, dtype=torch.bfloat16) for n in sizes * 2]  # what freed blocks' memory would take
     for a, b in zip(export_kv(referred), export_kv(copied), strict=True):
         assert torch.equal(a, b)
-    assert cache_bytes(referred) == cache_bytes(copied)
+    assert cache_bytes(referred) == cache_bytes(copied) and len(junk) == 2 * len(sizes)
