@@ -10,11 +10,11 @@ votes over them there too (:class:`LayerKeys`) and the compression gathers the r
 from the blocks and the buffer (``CompressedLayer.keep``), so a compressing session never holds
 a whole copy. The first other use of the layer (a decode step of a session that did not
 compress, an export to a tier, another policy's selection) copies them in (``BlockRows.own``:
-copy-on-write), so every other path sees one buffer as before. A session's reference keeps the
-blocks' memory alive if the prefix cache evicts them meanwhile. Sliding
-layers (Gemma 3's) copy the window they keep, as do all layers elsewhere (one C call, or a
-concatenation per layer without the C copy). Either way the session's rows and results are
-the same, bit for bit (tests/test_prefix_rows.py).
+copy-on-write), so every other path sees one buffer as before; a turn's end copies in what is
+still referred to (:func:`own_all`). A session's reference keeps the blocks' memory alive if the
+prefix cache evicts them meanwhile. Sliding layers (Gemma 3's) copy the window they keep, as do
+all layers elsewhere (one C call, or a concatenation per layer without the C copy). Either way
+the session's rows and results are the same, bit for bit (tests/test_prefix_rows.py).
 """
 
 from __future__ import annotations
