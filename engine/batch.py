@@ -69,7 +69,7 @@ class RaggedKV(list):
         super().__init__()
         self.spans, self.captures, self.window, self._masks = spans, captures, window, masks
         self.fast: decode_rows.OneTokenRows | None = None  # rows appended in C (their entries here: None)
-        self.shared: dict[int, CompressedLayer] = {}  # rows whose entry is only the rows after shared ones
+        self.shared: dict[int, CompressedLayer] = {}  # keys' only: rows whose entry is only the rows after shared ones
 
     def mask(self, b: int) -> torch.Tensor | None:
         start, end = self.spans[b]
@@ -111,7 +111,7 @@ class BatchCache:
             session_layer = row.session.cache.layers[layer_idx]
             if getattr(session_layer, "shared", None) is not None and end - start > 1:  # a chunk: kernel
                 k, v = session_layer.update_shared(key_states[:, :, start:end], value_states[:, :, start:end])
-                keys.shared[b] = values.shared[b] = session_layer
+                keys.shared[b] = session_layer
             else:
                 k, v = session_layer.update(key_states[:, :, start:end], value_states[:, :, start:end])
             keys.append(k)

@@ -127,7 +127,7 @@ def fill_prefix(cache: DynamicCache, blocks: list[Block], spare: int = 0) -> Non
         buffers = [torch.cat([b[i][p] for b in rows[f:]], dim=-2) for i, f in enumerate(firsts) for p in (0, 1)]
     table = None
     if refer:  # per block, every part's address
-        table = torch.frombuffer(bytearray(b"".join(b.addresses for b in blocks)), dtype=torch.int64)
+        table = torch.frombuffer(bytearray(addresses), dtype=torch.int64)  # refer: the C copy's (c_copy)
         table = table.view(len(blocks), -1)
     for i, (layer, first) in enumerate(zip(cache.layers, firsts, strict=True)):
         keys, values = buffers[2 * i], buffers[2 * i + 1]
