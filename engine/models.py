@@ -26,7 +26,7 @@ from .packed import pack_linears
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "gemma3-270m"
+DEFAULT_MODEL = "smollm2-135m"  # instruction-tuned, with its chat template (make run serves it)
 TINY_PRESETS = ("tiny-llama", "tiny-gemma3")
 
 
@@ -241,7 +241,7 @@ def _embedded_smollm2_dir() -> tuple[str, str | None]:
     return _converted(Path(found[0].locate()), target), None
 
 
-EMBEDDED = {DEFAULT_MODEL: _embedded_gemma_dir, "smollm2-135m": _embedded_smollm2_dir}
+EMBEDDED = {"smollm2-135m": _embedded_smollm2_dir, "gemma3-270m": _embedded_gemma_dir}
 
 
 def _cache_root() -> Path:

@@ -35,7 +35,9 @@ class ServiceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(
-        "gemma3-270m", description="gemma3-270m or smollm2-135m (embedded), tiny-llama, tiny-gemma3, HF id or path"
+        "smollm2-135m",
+        description="smollm2-135m (embedded, instruction-tuned: the default) or gemma3-270m (embedded, a base model), "
+        "tiny-llama, tiny-gemma3, an HF id or a local path",
     )
     gguf_file: str | None = Field(None, description="GGUF file name inside the model directory")
     dtype: Literal["auto", "bfloat16", "float32"] | None = Field(

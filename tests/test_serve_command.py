@@ -1,7 +1,9 @@
 """The README's run command, as a new user meets it: the installed ``kvsnap serve`` with its real
-defaults (the embedded Gemma 3 270M, an embedded Redis, a local Ray, the default data directory)
-started from a fresh working directory, one turn over HTTP, then SIGTERM: a clean exit that
-leaves no redis-server, HAProxy or Ray process of its own behind."""
+defaults (the embedded SmolLM2-135M-Instruct with its chat template, an embedded Redis, a local
+Ray, the default data directory) started from a fresh working directory; a short document's
+question, then a follow-up about a 2K-token prose document with full KV and with the default
+settings (the same right answer both ways); then SIGTERM: a clean exit that leaves no
+redis-server, HAProxy or Ray process of its own behind."""
 
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ import requests
 import torch
 
 from kvsnap.engine.defaults import default_settings
-from kvsnap.engine.models import dtype_name, fast_dtype, tokenizer_for
+from kvsnap.engine.models import DEFAULT_MODEL, dtype_name, fast_dtype, tokenizer_for
+from kvsnap.service.template import template_for
+from kvsnap.tools.facts import facts_document
 
 pytestmark = pytest.mark.slow
 
@@ -86,32 +90,20 @@ def test_kvsnap_serve_from_a_fresh_directory_answers_and_stops_cleanly(tmp_path)
                 break
             time.sleep(0.5)
         fast = dtype_name(fast_dtype(torch.device("cpu")))  # the default: bfloat16 on CPUs with AMX / AVX-512 BF16
-        assert (health["model"], health["dtype"]) == ("gemma3-270m", [fast]) and health["workers"] >= 1, health
-        defaults = default_settings("gemma3-270m")  # no settings given: the model's measured defaults
+        assert DEFAULT_MODEL == "smollm2-135m"  # instruction-tuned, with its own chat template
+        assert (health["model"], health["dtype"]) == (DEFAULT_MODEL, [fast]) and health["workers"] >= 1, health
+        defaults = default_settings(DEFAULT_MODEL)  # no settings given: the model's measured defaults
         assert made.json()["policy"].startswith(f"{defaults['policy']}("), made.json()
         assert all(f"{k}={v}" in made.json()["policy"] for k, v in defaults.items() if k in ("ratio", "spans"))
-        answer = requests.post(
-            "http://127.0.0.1:8000/v1/sessions/readme/turns",
-            json={"message": "What is the code of the blue door?", "max_tokens": 48},
-            headers=headers,
-            timeout=120,
-        )
-        assert answer.status_code == 200, answer.text
-        body = answer.json()
-        assert body["completion_tokens"] >= 1 and body["source"] == "device" and body["state"]["turns"] == 2
-        # a base model's answer ends at the template's next turn marker instead of writing the next question
-        assert body["finish_reason"] == "stop" and "User:" not in body["text"], body
-        # the session holds that marker already: the next question's is not prefilled a second time
-        again = requests.post(
-            "http://127.0.0.1:8000/v1/sessions/readme/turns",
-            json={"message": "And the red door?", "max_tokens": 8},
-            headers=headers,
-            timeout=120,
-        )
-        assert again.status_code == 200, again.text
-        tok = tokenizer_for("gemma3-270m")
-        rest = tok.encode(" And the red door?\nAssistant:", add_special_tokens=False)
-        assert again.json()["prompt_tokens"] == 1 + len(rest), again.json()  # the pending token, then the rest
+        answer = _turn(headers, "readme", "What is the code of the blue door?", 48)
+        assert answer["completion_tokens"] >= 1 and answer["source"] == "device" and answer["state"]["turns"] == 2
+        assert answer["finish_reason"] == "stop" and "48213" in answer["text"], answer  # it follows the template
+        # the follow-up prefills only its own message under the chat template, not the conversation again
+        again = _turn(headers, "readme", "And the red door?", 8)
+        tok = tokenizer_for(DEFAULT_MODEL)
+        rest = template_for(tok).encode([{"role": "user", "content": "And the red door?"}], first=False)
+        assert again["prompt_tokens"] == len(rest), (again, len(rest))
+        _prose_follow_up(headers, tok)
         # the data directory is the default one, inside the working directory, with Redis's files in it
         assert (workdir / ".kvsnap" / "redis" / "redis.log").exists()
         assert list((workdir / ".kvsnap" / "redis").glob("appendonly*"))
@@ -132,6 +124,39 @@ def test_kvsnap_serve_from_a_fresh_directory_answers_and_stops_cleanly(tmp_path)
     while _alive(list(family.values())) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _alive(list(family.values())), f"left behind: {_alive(list(family.values()))}"
+
+
+def _turn(headers: dict, session: str, message: str, max_tokens: int) -> dict:
+    answer = requests.post(
+        f"http://127.0.0.1:8000/v1/sessions/{session}/turns",
+        json={"message": message, "max_tokens": max_tokens},
+        headers=headers,
+        timeout=300,
+    )
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def _prose_follow_up(headers: dict, tok) -> None:
+    """A user's chat over a 2K-token document in varied prose that states each fact once: the
+    first question, then a follow-up about another fact, greedy. With full KV the model answers
+    both (the document was chosen so); the default settings must give the very same answers."""
+    doc = facts_document(tok, target_tokens=2048, facts=2, seed=2048)  # `kvsnap eval --tasks facts`' seed 0
+    asked = [doc.facts[0].question, doc.facts[1].question]
+    answers = {}
+    for name, settings in (("full", {"policy": "full"}), ("defaults", {})):
+        made = requests.post(
+            "http://127.0.0.1:8000/v1/sessions",
+            json={"session_id": f"prose-{name}", "document": doc.document, "settings": settings},
+            headers=headers,
+            timeout=120,
+        )
+        assert made.status_code == 201, made.text
+        answers[name] = [_turn(headers, f"prose-{name}", q, 24)["text"] for q in asked]
+    assert len(tok.encode(doc.document)) >= 2000
+    for fact, text in zip(doc.facts, answers["full"], strict=True):
+        assert fact.answer in text, (fact, answers)  # full KV answers each fact
+    assert answers["defaults"] == answers["full"], answers
 
 
 def _wait_until_serving(server: subprocess.Popen, lines: list[str]) -> str:

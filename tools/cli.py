@@ -168,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="one in-process session over a long prompt")
     gen.add_argument(
         "--model",
-        default="gemma3-270m",
-        help="gemma3-270m or smollm2-135m (embedded), tiny-llama, tiny-gemma3, an HF model id or a local path",
+        default="smollm2-135m",
+        help="smollm2-135m or gemma3-270m (embedded), tiny-llama, tiny-gemma3, an HF model id or a local path",
     )
     gen.add_argument("--gguf-file", default=None, help="GGUF file name inside --model's directory")
     gen.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
@@ -187,7 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="run the service: local Ray, embedded Redis, HTTP + gRPC")
     srv.add_argument(
-        "--model", default=None, help="default gemma3-270m (or KVSNAP_MODEL); smollm2-135m: the embedded chat model"
+        "--model",
+        default=None,
+        help="default smollm2-135m (or KVSNAP_MODEL), the embedded chat model; gemma3-270m (a base model), "
+        "an HF model id or a local path"
     )
     srv.add_argument("--replicas", type=int, default=None, help="worker replicas (default 2)")
     srv.add_argument(

@@ -26,7 +26,7 @@ def cmd_eval(args) -> int:
     if args.url:
         api_key = clients.api_key(args)
         args.model = args.model or clients.served_model(args.url, api_key)
-    args.model = args.model or "gemma3-270m"
+    args.model = args.model or "smollm2-135m"
     default = spec_text(default_settings(args.model))  # ``default`` in --policies: the model's defaults
     if "default" in given.get("policies", ()):
         given["policies"] = tuple(dict.fromkeys(default if p == "default" else p for p in given["policies"]))
@@ -70,7 +70,7 @@ def add_eval_parser(sub) -> None:
     ev = sub.add_parser(
         "eval", help="quality harness: pass-key, multi-key and multi-turn retrieval, long generation, per policy"
     )
-    ev.add_argument("--model", default=None, help="model to run in-process (default gemma3-270m); with --url: its own")
+    ev.add_argument("--model", default=None, help="model to run in-process (default smollm2-135m); with --url: its own")
     ev.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
     ev.add_argument(
         "--dtype",
