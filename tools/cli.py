@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         help="default smollm2-135m (or KVSNAP_MODEL), the embedded chat model; gemma3-270m (a base model), "
-        "an HF model id or a local path"
+        "an HF model id or a local path",
     )
     srv.add_argument("--replicas", type=int, default=None, help="worker replicas (default 2)")
     srv.add_argument(
