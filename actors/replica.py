@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 from ray import serve
 
+from kvsnap import cpu_kernels
 from kvsnap.actors.turns import TurnRequest
 from kvsnap.actors.worker import Worker
-from kvsnap.engine import Engine, block_copy, chunk_kernel, kernels, load_model, votes_kernel
+from kvsnap.engine import Engine, load_model
 from kvsnap.errors import NotFound
 from kvsnap.policies.kivi import parse_kivi
 from kvsnap.service.config import ServiceConfig
@@ -127,17 +128,10 @@ class WorkerReplica:
         self.worker.start_heartbeat(interval_s=2.0)
         self.ongoing = 0
         pid = os.getpid()
-        # bf16 on a CPU: decode rows take the C kernel when it builds here (engine/kernels.py),
-        # prompt chunks theirs on AMX tiles or AVX-512 BF16 vectors (engine/chunk_kernel.py), shared prefix
-        # blocks the C copies (engine/block_copy.py); built now, not mid-step
+        # bf16 on a CPU: the C kernels of this CPU's variant (cpu_kernels/build.py), loaded now, not mid-step
         own = loaded.dtype == torch.bfloat16 and loaded.device.type == "cpu"
-        if own and engine.prefixes is not None:
-            block_copy.kernel()
+        attention = cpu_kernels.warm() if own else "torch attention"
         engine.span_table()  # the defaults keep sentence spans: the first turn would build it mid-step
-        kinds = (("one-token", kernels.kernel), (f"chunk ({chunk_kernel.build()})", chunk_kernel.kernel))
-        kinds += (("SnapKV votes", votes_kernel.library),)  # a compression's scores (engine/votes_kernel.py)
-        found = [name for name, built in kinds if own and built() is not None]
-        attention = " and ".join(found) + " attention kernels" if found else "torch attention"
         # what is here now lives as long as the replica (the model's modules, torch, Ray, Serve:
         # ~370K objects): out of the collector's sight, a full collection (one in each minute of
         # 4-turn chats measured here) takes 0.3-0.5 ms, not 210-330 ms holding the GIL from the steps

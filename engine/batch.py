@@ -25,7 +25,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from . import chunk_kernel, decode_rows, kernels
+from kvsnap.cpu_kernels import chunk_attention, decode_attention, decode_rows
+
 from .cache import BlockRows, CompressedLayer, SlidingLayer
 from .session import Session
 
@@ -52,7 +53,7 @@ _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 class Row:
     """One session's part of a packed step: its new tokens, the capture that keeps their
     queries (a prompt's observation window, a decode-time evictor's step) if any, and whether
-    only the argmax of its logits is wanted (greedy decoding: engine/head.py)."""
+    only the argmax of its logits is wanted (greedy decoding: engine/models/head.py)."""
 
     session: Session
     tokens: list[int]
@@ -119,12 +120,12 @@ class BatchCache:
         return keys, values
 
     def _fast_rows(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> list[int]:
-        """The rows engine/decode_rows.py appends and attends at this layer: one token, no capture
+        """The rows cpu_kernels/decode_rows.py appends and attends at this layer: one token, no capture
         of the layer, an initialized cache layer of ours, bf16 on a CPU with the kernel built."""
         if not self._single or not isinstance(self.layers[layer_idx], BlockRows):
             return []
         if self._usable is None:
-            self._usable = decode_rows.usable(key_states, value_states)
+            self._usable = decode_rows.takes(key_states, value_states)
         if not self._usable:
             return []
         return [
@@ -167,18 +168,18 @@ def mask(q: int, k: int, window: int | None, like: torch.Tensor) -> torch.Tensor
 def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values: RaggedKV, **kwargs):
     """``attend`` (an attention function) row by row; query ``[1, H, T, D]`` -> ``[1, T, H, D]``.
     In bf16 / fp16 on a CPU, a one-token row takes :func:`one_token_attention` or the decode
-    kernel (engine/kernels.py) instead, and a prompt chunk in bf16 the AMX kernel where the CPU
-    has one (engine/chunk_kernel.py), which also reads a session's shared prefix rows where its
+    kernel (cpu_kernels/decode_attention.py) instead, and a prompt chunk in bf16 the AMX kernel where the CPU
+    has one (cpu_kernels/chunk_attention.py), which also reads a session's shared prefix rows where its
     blocks hold them (engine/prefix_rows.py); elsewhere those are copied in first."""
-    outputs, fused = [], []  # fused: the one-token rows the kernel takes, in one call (engine/kernels.py)
+    outputs, fused = [], []  # fused: the one-token rows the kernel takes, in one call (cpu_kernels/decode_attention.py)
     layer_idx = getattr(module, "layer_idx", None)
     own = _one_token_pays(query) and kwargs.get("softcap") is None
-    fast = own and kernels.kernel() is not None
-    chunks = own and chunk_kernel.kernel() is not None
+    fast = own and decode_attention.available()
+    chunks = own and chunk_attention.available()
     scale = kwargs.get("scaling")  # None: the function's own default (a capture records only a given one)
     kernel_scale = query.shape[-1] ** -0.5 if scale is None else scale  # what the C kernels are handed
-    appended = keys.fast  # rows engine/decode_rows.py appended: the kernel takes them, or they become views
-    if appended is not None and not (fast and query.shape[1] // appended.kv_heads <= kernels.MAX_GROUP):
+    appended = keys.fast  # rows cpu_kernels/decode_rows.py appended: the kernel takes them, or they become views
+    if appended is not None and not (fast and query.shape[1] // appended.kv_heads <= decode_attention.MAX_GROUP):
         for i, b in enumerate(appended.index):
             keys[b], values[b] = appended.views(i)
         appended = None
@@ -190,27 +191,29 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
         capture = keys.captures[b]
         referring = keys.shared.get(b)  # its layer: rows after a shared prefix's, the kernel reads both
         if referring is not None and (
-            reads_keys(capture, layer_idx) or not (chunks and chunk_kernel.fits(q, keys[b], values[b]))
+            reads_keys(capture, layer_idx) or not (chunks and chunk_attention.takes(q, keys[b], values[b]))
         ):
             keys[b], values[b] = referring.keys, referring.values  # copied in: one buffer, as any other row's
             referring = None
         if capture is not None and layer_idx in capture.layers:
             capture.add(layer_idx, q, scale, keys[b])
         if own and end - start == 1:
-            if fast and kernels.fits(q, keys[b], values[b]):
+            if fast and decode_attention.takes(q, keys[b], values[b]):
                 fused.append((b, q))
                 outputs.append(None)
             else:
                 outputs.append(one_token_attention(q, keys[b], values[b], scale))
-        elif chunks and chunk_kernel.fits(q, keys[b], values[b]):
+        elif chunks and chunk_attention.takes(q, keys[b], values[b]):
             shared = None if referring is None else referring.shared
-            outputs.append(chunk_kernel.attention(q, keys[b], values[b], kernel_scale, keys.window, shared=shared))
+            outputs.append(chunk_attention.attention(q, keys[b], values[b], kernel_scale, keys.window, shared=shared))
         else:
             outputs.append(attend(module, q, keys[b], values[b], keys.mask(b), **kwargs)[0])
     if fused:
         rows = [b for b, _ in fused]
         queries = [q for _, q in fused]
-        done = kernels.one_token_rows(queries, [keys[b] for b in rows], [values[b] for b in rows], kernel_scale)
+        done = decode_attention.one_token_rows(
+            queries, [keys[b] for b in rows], [values[b] for b in rows], kernel_scale
+        )
         for b, out in zip(rows, done, strict=True):
             outputs[b] = out
     if appended is not None:
@@ -228,7 +231,7 @@ def reads_keys(capture: Capture | None, layer_idx: int | None) -> bool:
     return capture is not None and layer_idx in capture.layers and getattr(capture, "reads_keys", True)
 
 
-def chunk_attention(
+def sdpa_chunk_attention(
     module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scaling=None, **kwargs
 ):
     """A prompt chunk's rows on a CPU: SDPA with the row's mask, each KV head shared by its query

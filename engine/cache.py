@@ -113,7 +113,7 @@ class BlockRows:
         return 2 * heads * (self._end - self._start) * dim * self._k.element_size()
 
     def _claim_row(self, key_states: torch.Tensor, value_states: torch.Tensor) -> int:
-        """:meth:`_append` of one row whose values the caller writes (engine/decode_rows.py):
+        """:meth:`_append` of one row whose values the caller writes (cpu_kernels/decode_rows.py):
         room for it (``*_states`` give the shape of a row), counted as in use; its index."""
         self.own()
         if self._k is None or self._end + 1 > self._k.shape[-2]:
@@ -170,7 +170,7 @@ class CompressedLayer(BlockRows, DynamicLayer):
 
     def claim(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
         """:meth:`update` with one token whose key and value the caller writes: the buffers, the
-        new row's index in them and the first row the token sees (engine/decode_rows.py)."""
+        new row's index in them and the first row the token sees (cpu_kernels/decode_rows.py)."""
         self.logical_len += 1
         row = self._claim_row(key_states, value_states)
         return self._k, self._v, row, self._start

@@ -18,7 +18,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from kvsnap.policies.scored import reduce_groups
 
-from .batch import BatchCache, RaggedKV, chunk_attention, ragged_attention
+from .batch import BatchCache, RaggedKV, ragged_attention, sdpa_chunk_attention
 
 ATTN_IMPLEMENTATION = "kvsnap"
 
@@ -129,7 +129,9 @@ def hidden_hook(module, args, kwargs) -> None:
 def _capturing_sdpa(module, query, key, value, attention_mask, **kwargs):
     if isinstance(key, RaggedKV):  # a packed step: each row on its own session's rows, its own capture
         cpu = query.device.type == "cpu" and kwargs.get("softcap") is None  # CUDA's kernels want no mask with GQA
-        return ragged_attention(chunk_attention if cpu else sdpa_attention_forward, module, query, key, value, **kwargs)
+        return ragged_attention(
+            sdpa_chunk_attention if cpu else sdpa_attention_forward, module, query, key, value, **kwargs
+        )
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -29,15 +29,14 @@ from kvsnap.policies import Policy, make_policy, scored_policy
 from kvsnap.policies.kvzap import Surrogate
 from kvsnap.policies.kvzip import REPEAT_PROMPT
 
-from . import packed
 from .batch import Row, packed_inputs
 from .cache import full_layer_indices, new_session_cache, shares_blocks
 from .capture import hidden_hook
 from .compress import Compression
 from .decode import Decoding
 from .detok import Detokenizer
-from .head import LMHead
-from .models import LoadedModel
+from .models import LoadedModel, packed
+from .models.head import LMHead
 from .prefixes import PrefixCache, block_for
 from .replay import Replay
 from .sampling import SamplingParams
@@ -97,7 +96,7 @@ class Engine(Compression, Decoding, Replay):
         prefix_cache_bytes: int = 0,
         prefix_block: int | None = None,
     ):
-        """``greedy_screen``: greedy rows' argmax through a bf16 screen (engine/head.py); None:
+        """``greedy_screen``: greedy rows' argmax through a bf16 screen (engine/models/head.py); None:
         where it pays (a large fp32 head on a CPU with bf16 kernels). ``prefix_cache_bytes``: the
         budget of shared prompt prefixes (engine/prefixes.py), 0 = none; ``prefix_block``: their
         block, a divisor of ``prefill_chunk`` (None: ``prefixes.block_for`` the model's dtype)."""
@@ -114,7 +113,7 @@ class Engine(Compression, Decoding, Replay):
         self.vocab_size = text.vocab_size
         self.max_context = text.max_position_embeddings
         self.eos_ids = loaded.eos_token_ids
-        # the LM head computed here (engine/head.py) knows softcapping only; a model that scales its
+        # the LM head computed here (engine/models/head.py) knows softcapping only; a model that scales its
         # logits otherwise (Granite's logits_scaling, Cohere's logit_scale) gets its own forward's
         self._own_head = all(getattr(text, name, None) in (None, 1, 1.0) for name in ("logits_scaling", "logit_scale"))
         softcap = getattr(text, "final_logit_softcapping", None)

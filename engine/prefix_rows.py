@@ -2,7 +2,7 @@
 
 A session that opens with a prefix the replica has seen starts from its blocks instead of
 prefilling it. Where the blocks are bf16 in host memory, with the C copy and the prompt-chunk
-kernel built (engine/block_copy.py, engine/chunk_kernel.py), a full-attention layer does not
+kernel built (cpu_kernels/block_copy.py, cpu_kernels/chunk_attention.py), a full-attention layer does not
 copy them: it refers to them (:class:`SharedRows`, the layer's ``shared``) and its own buffer
 holds only the rows after them. The turn's prompt chunks append to that buffer and the chunk
 kernel reads the shared rows where the blocks keep them (engine/batch.py); SnapKV's selection
@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache
 
+from kvsnap.cpu_kernels import block_copy, chunk_attention, snapkv_votes
 from kvsnap.policies.base import window_votes
 from kvsnap.policies.snapkv import SnapKV
 
-from . import block_copy, chunk_kernel, votes_kernel
 from .cache import CompressedLayer, SlidingLayer, seen
 from .prefixes import Block
 
@@ -61,7 +61,7 @@ class SharedRows:
 class LayerKeys:
     """A referring layer's keys as SnapKV's selection reads them (policies/base.py ``select``):
     their shape, and the window's votes over the rows in the blocks and in the layer's buffer
-    (engine/votes_kernel.py), without copying the shared ones in. Where the votes kernel does not
+    (cpu_kernels/snapkv_votes.py), without copying the shared ones in. Where the votes kernel does not
     take them, the layer's rows are copied in and torch's path votes."""
 
     def __init__(self, layer: CompressedLayer):
@@ -73,8 +73,8 @@ class LayerKeys:
     def window_votes(self, window_queries: torch.Tensor, scale: float | None) -> torch.Tensor:
         own, shared = self.layer.own_rows()[0], self.layer.shared
         scale = self.shape[-1] ** -0.5 if scale is None else scale
-        if shared is not None and votes_kernel.takes(window_queries, own, shared.rows):
-            return votes_kernel.votes(window_queries, own, scale, shared=shared)
+        if shared is not None and snapkv_votes.takes(window_queries, own, shared.rows):
+            return snapkv_votes.votes(window_queries, own, scale, shared=shared)
         return window_votes(window_queries, self.layer.keys, scale)
 
 
@@ -108,7 +108,7 @@ def fill_prefix(cache: DynamicCache, blocks: list[Block], spare: int = 0) -> Non
     block = sample.shape[-2]
     n = block * len(blocks)
     c_copy = block_copy.takes([t for kv in sample_rows for t in kv])
-    refer = REFER and c_copy and sample.dtype == torch.bfloat16 and chunk_kernel.kernel() is not None
+    refer = REFER and c_copy and sample.dtype == torch.bfloat16 and chunk_attention.available()
     firsts = [  # per layer, the first block holding a row it keeps (all of them: none)
         max(0, n - (layer.sliding_window - 1)) // block
         if isinstance(layer, SlidingLayer)

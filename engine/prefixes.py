@@ -55,7 +55,7 @@ def block_for(chunk: int, dtype: torch.dtype) -> int:
 class Block:
     """One block of a shared prefix: its rows of every layer. ``data``: per layer ``(keys,
     values)``, each ``[1, H_kv, block, D]``; or one tensor ``[2 * layers, 1, H_kv, block, D]``
-    holding them in that order (one allocation: engine/block_copy.py), read as :attr:`rows`."""
+    holding them in that order (one allocation: cpu_kernels/block_copy.py), read as :attr:`rows`."""
 
     key: bytes
     parent: bytes | None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvsnap.cpu_kernels import snapkv_votes
 from kvsnap.errors import InvalidArgument
 
 # Every policy by name (filled by ``register_policy`` in policies/__init__.py). A policy's
@@ -212,17 +213,15 @@ def window_votes(
     """SnapKV's votes: each window query's causal attention (:func:`window_attention`) summed over
     the window, for the rows before it: [B, H, w, D] x [B, H_kv, L, D] -> [B, H_kv, G, L - w]
     (float32). bf16 on a CPU with the prompt-chunk kernel's flags: one C pass
-    (engine/votes_kernel.py, the same sums within float32 rounding, ~4x faster); else torch's.
+    (cpu_kernels/snapkv_votes.py, the same sums within float32 rounding, ~4x faster); else torch's.
     Keys that lie in more than one place vote their own way (engine/prefix_rows.py ``LayerKeys``)."""
     if (own_way := getattr(keys, "window_votes", None)) is not None and chunk is None:
         return own_way(window_queries, scale)
     w, length = window_queries.shape[-2], keys.shape[2]
-    if chunk is None and keys.device.type == "cpu" and keys.dtype == torch.bfloat16:
-        from kvsnap.engine import votes_kernel  # here, not above: the engine imports the policies
-
-        if votes_kernel.takes(window_queries, keys):
-            scale = 1.0 / math.sqrt(keys.shape[-1]) if scale is None else scale
-            return votes_kernel.votes(window_queries, keys, scale)
+    cpu_bf16 = keys.device.type == "cpu" and keys.dtype == torch.bfloat16
+    if chunk is None and cpu_bf16 and snapkv_votes.takes(window_queries, keys):
+        scale = 1.0 / math.sqrt(keys.shape[-1]) if scale is None else scale
+        return snapkv_votes.votes(window_queries, keys, scale)
     return window_attention(window_queries, keys, scale, chunk)[..., : length - w].sum(dim=-2)
 
 

@@ -124,7 +124,7 @@ class ServiceConfig(BaseModel):
     greedy_screen: bool | None = Field(
         None,
         description="greedy rows' LM head: the exact argmax through a bf16 first pass and a float64 recompute "
-        "of the few candidates (engine/head.py); null: on for a large fp32 head on a CPU with bf16 kernels",
+        "of the few candidates (engine/models/head.py); null: on for a large fp32 head on a CPU with bf16 kernels",
     )
     max_prompt_tokens: int = Field(16384, ge=1, description="most tokens one request may add")
     max_documents: int = Field(1000, ge=0, description="registered documents (POST /v1/documents) per tenant")

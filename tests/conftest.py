@@ -2,14 +2,33 @@
 
 from __future__ import annotations
 
-from kvsnap.service.config import ray_environment
+import os
+
+# a kernel variant that does not compile fails the run (in a service it would log and fall back);
+# set before anything loads the kernels, in this process and the replicas it starts
+os.environ["KVSNAP_KERNELS_STRICT"] = "1"
+
+from kvsnap.service.config import ray_environment  # noqa: E402
 
 ray_environment()  # the Ray Serve data path `kvsnap serve` uses; set before any test module imports Ray
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from kvsnap.cpu_kernels import build  # noqa: E402
 from kvsnap.engine import Engine, load_model  # noqa: E402
+
+
+def pytest_report_header(config) -> list[str]:
+    """Every kernel variant this compiler targets is built before any test runs (compile only
+    where this CPU lacks its instructions), one line each; a build error stops the run."""
+    if build.compiler() is None:
+        raise pytest.UsageError("no C compiler (cc or CC): the kernels cannot be built or tested")
+    lines = []
+    for variant, path in build.compile_all().items():
+        runs = "runs here" if build.runs_here(variant) else "compile only: this CPU lacks its instructions"
+        lines.append(f"kernels {variant}: built {path.name} ({runs})")
+    return [*lines, f"kernels: this machine runs {build.chosen()}"]
 
 
 @pytest.fixture(scope="session", params=["tiny-llama", "tiny-gemma3"])

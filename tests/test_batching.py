@@ -106,13 +106,13 @@ def assert_same_cache(a, b, tol: float = 1e-5) -> None:
 
 @pytest.mark.parametrize("screen", [False, True, "bf16"], ids=["fp32-head", "greedy-screen", "bf16-model"])
 def test_every_session_in_a_batch_gets_the_tokens_it_gets_alone(tiny_engine, screen, monkeypatch):
-    """With the greedy screen (engine/head.py) forced on, a step with 2 or more greedy rows (6 in
+    """With the greedy screen (engine/models/head.py) forced on, a step with 2 or more greedy rows (6 in
     service) takes the bf16 first pass while the same session alone takes the fp32 one: the
     tokens are equal. A bfloat16 model (weights, activations and KV) keeps the invariant: its
     head is its own bf16 first pass, batched or alone."""
     from kvsnap.engine import Engine, load_model
 
-    monkeypatch.setattr("kvsnap.engine.head.SCREEN_MIN_ROWS", 2)
+    monkeypatch.setattr("kvsnap.engine.models.head.SCREEN_MIN_ROWS", 2)
 
     if screen == "bf16":
         engine = Engine(load_model(tiny_engine.loaded.name, dtype="bfloat16"), prefill_chunk=16, greedy_screen=True)
@@ -157,7 +157,7 @@ def test_every_session_in_a_batch_gets_the_tokens_it_gets_alone(tiny_engine, scr
 
 
 def first_passes(engine, monkeypatch) -> set:
-    """The dtypes of the greedy head's first passes (engine/head.py) from now on."""
+    """The dtypes of the greedy head's first passes (engine/models/head.py) from now on."""
     seen: set = set()
     if engine.head.screen:
         found = engine.head._candidates
@@ -261,10 +261,10 @@ def test_rows_only_ever_attend_to_their_own_session(llama_engine, monkeypatch):
 @pytest.mark.slow
 def test_gemma_sessions_in_a_batch_match_their_runs_alone(gemma_fp32_engine, monkeypatch):
     engine = gemma_fp32_engine
-    monkeypatch.setattr("kvsnap.engine.head.SCREEN_MIN_ROWS", 3)  # 6 in service: fewer sessions here
+    monkeypatch.setattr("kvsnap.engine.models.head.SCREEN_MIN_ROWS", 3)  # 6 in service: fewer sessions here
     scheduler = Scheduler(engine, threading.RLock(), max_batch=8, start=False)
     text = "The lighthouse keeper wrote down the weather every morning. " * 40
-    # four greedy rows: their batched steps take the bf16 screen (engine/head.py), alone the fp32 pass
+    # four greedy rows: their batched steps take the bf16 screen (engine/models/head.py), alone the fp32 pass
     plans = [("full", GREEDY), ("snapkv", SEEDED), ("snapkv+h2o", GREEDY), ("snapkv", GREEDY), ("full", GREEDY)]
     docs = [engine.encode(text[: 600 + 300 * i]) for i in range(len(plans))]
     assert engine.head.screen

@@ -112,8 +112,8 @@ def test_messages_a_template_refuses_are_a_bad_request():
 def test_smollm2_answers_in_the_engine_as_in_transformers():
     """Two greedy turns in kvsnap's engine (full KV) equal transformers' generate over the whole
     conversation's template tokens, each turn. In float32, where the engine's operators are
-    transformers' own: in bf16 its C kernels sum in other orders (engine/kernels.py,
-    engine/chunk_kernel.py), which moves a token at a near tie (turn 2 here: "Foxes are found
+    transformers' own: in bf16 its C kernels sum in other orders (cpu_kernels/decode_attention.py,
+    cpu_kernels/chunk_attention.py), which moves a token at a near tie (turn 2 here: "Foxes are found
     in dens" against "Foxes live in dens")."""
     from kvsnap.engine import Engine, SamplingParams, load_model
 

@@ -1,5 +1,5 @@
 """A prompt chunk's attention in a packed step on a CPU (engine/batch.py ``mask`` and
-``chunk_attention``): the same numbers, bit for bit, as transformers' SDPA path with a boolean
+``sdpa_chunk_attention``): the same numbers, bit for bit, as transformers' SDPA path with a boolean
 mask, in less time (no mask where plain causal attention is meant, no per-head copies)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvsnap.engine.batch import chunk_attention, mask
+from kvsnap.engine.batch import mask, sdpa_chunk_attention
 
 
 class Module(torch.nn.Module):
@@ -49,6 +49,6 @@ def test_chunk_attention_equals_transformers_sdpa_bit_for_bit(dtype, q, k):
     keys, values = ((torch.randn(1, 2, k, 32, generator=gen) * 2).to(dtype) for _ in range(2))
     want_mask = None if q == 1 else boolean(q, k, None)
     want, _ = sdpa_attention_forward(Module(4), query, keys, values, want_mask, scaling=0.2)
-    got, _ = chunk_attention(Module(4), query, keys, values, mask(q, k, None, query), scaling=0.2)
+    got, _ = sdpa_chunk_attention(Module(4), query, keys, values, mask(q, k, None, query), scaling=0.2)
     assert got.shape == want.shape == (1, q, 8, 32)
     assert torch.equal(got, want)

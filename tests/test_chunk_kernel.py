@@ -1,4 +1,4 @@
-"""A prompt chunk's attention in C (engine/chunk_kernel.py), each build this CPU runs (AMX tiles,
+"""A prompt chunk's attention in C (cpu_kernels/chunk_attention.py), each build this CPU runs (AMX tiles,
 AVX-512 BF16 vectors): as close to exact attention as torch's SDPA is, the same causal and
 sliding-window masks, a row's result independent of the rows beside it and of the thread count,
 and the path a bf16 chunk takes on such a CPU."""
@@ -12,14 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvsnap.engine import cbuild, chunk_kernel, kernels
+from kvsnap.cpu_kernels import build, chunk_attention, decode_attention
 from kvsnap.engine.batch import mask
 
 needs_kernel = pytest.mark.skipif(
-    chunk_kernel.kernel() is None, reason="no AMX or AVX-512 BF16 on this CPU (or no compiler): SDPA runs"
+    not chunk_attention.available(), reason="no AMX or AVX-512 BF16 on this CPU (or KVSNAP_C_KERNELS=0): SDPA runs"
 )
-BUILDS = chunk_kernel.builds() or ["tiles"]  # the builds this CPU runs (skipped without one)
-needs_compiler = pytest.mark.skipif(kernels.kernel() is None, reason="no C compiler: no kernel library loads")
+VARIANTS = chunk_attention.variants() or ["avx512bf16"]  # the variants this CPU runs (skipped without one)
+needs_kernels = pytest.mark.skipif(
+    not decode_attention.available(), reason="KVSNAP_C_KERNELS=0: no kernel library loads"
+)
 
 
 def rows(heads: int, kv_heads: int, dim: int, count: int, length: int, seed: int):
@@ -64,23 +66,23 @@ SHAPES = [
 
 
 @needs_kernel
-@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "count", "length", "window"), SHAPES)
-def test_kernel_errs_no_more_than_sdpa(heads, kv_heads, dim, count, length, window, flat, build):
+def test_kernel_errs_no_more_than_sdpa(heads, kv_heads, dim, count, length, window, flat, variant):
     """Against float64 attention, the kernel's bf16 output errs no more than SDPA's in bf16 does,
     plus one rounding of the output. ``flat``: a tiny scale makes the weights nearly uniform, so
     a key weighed that should not be (padding, a future row, one outside the window) or one left
     out moves the output by about its share of the rows."""
     query, keys, values = rows(heads, kv_heads, dim, count, length, seed=count)
-    assert chunk_kernel.fits(query, keys, values)
+    assert chunk_attention.takes(query, keys, values)
     scale = 1e-3 if flat else dim**-0.5
     want = exact(query, keys, values, scale, window)
     hidden = mask(count, length, window, query)
     sdpa = F.scaled_dot_product_attention(
         query, keys, values, attn_mask=hidden, is_causal=hidden is None and count > 1, scale=scale, enable_gqa=True
     ).transpose(1, 2)
-    got = chunk_kernel.attention(query, keys, values, scale, window, build)
+    got = chunk_attention.attention(query, keys, values, scale, window, variant)
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     assert torch.isfinite(got).all()
     allowed = (sdpa.double() - want).abs().max() + 2**-8 * want.abs().max()
@@ -88,20 +90,20 @@ def test_kernel_errs_no_more_than_sdpa(heads, kv_heads, dim, count, length, wind
 
 
 @needs_kernel
-@pytest.mark.parametrize("build", BUILDS)
-def test_a_querys_result_depends_on_nothing_but_its_own_rows(build):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_querys_result_depends_on_nothing_but_its_own_rows(variant):
     """The same query gives the same bits in a chunk of 100, of 17 or of 7 (the chunk's last rows,
     the last one a unit of its own in the chunk of 17), and on one thread or two: each query is
     one unit's, over its rows in order."""
     query, keys, values = rows(8, 2, 64, 100, 905, seed=3)
-    whole = chunk_kernel.attention(query, keys, values, 0.125, None, build)
+    whole = chunk_attention.attention(query, keys, values, 0.125, None, variant)
     for tail in (17, 7, 4):
-        part = chunk_kernel.attention(query[:, :, -tail:], keys, values, 0.125, None, build)
+        part = chunk_attention.attention(query[:, :, -tail:], keys, values, 0.125, None, variant)
         assert torch.equal(whole[:, -tail:], part)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1 if before > 1 else 2)
-        other = chunk_kernel.attention(query, keys, values, 0.125, None, build)
+        other = chunk_attention.attention(query, keys, values, 0.125, None, variant)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(other, whole)
@@ -112,15 +114,15 @@ def test_a_bf16_chunk_takes_the_kernel_and_a_float32_one_sdpa(gemma_engine, gemm
     """In a packed step, a bf16 chunk goes to the kernel (with its layer's window on Gemma 3's
     sliding layers) and the logits stay those of the SDPA path within bf16's drift; float32
     rows never reach it."""
-    from kvsnap.engine import Engine, batch, load_model
+    from kvsnap.engine import Engine, load_model
     from kvsnap.policies import make_policy
 
     from .conftest import random_tokens
 
     calls = []
-    real = chunk_kernel.attention
+    real = chunk_attention.attention
     monkeypatch.setattr(
-        chunk_kernel, "attention", lambda q, k, v, s, w, **kw: (calls.append(w), real(q, k, v, s, w, **kw))[1]
+        chunk_attention, "attention", lambda q, k, v, s, w, **kw: (calls.append(w), real(q, k, v, s, w, **kw))[1]
     )
     tokens = random_tokens(700, seed=11, high=20000)
 
@@ -134,7 +136,7 @@ def test_a_bf16_chunk_takes_the_kernel_and_a_float32_one_sdpa(gemma_engine, gemm
     assert calls and set(calls) == {None, engine.model.config.sliding_window}
     calls.clear()
     with monkeypatch.context() as m:
-        m.setattr(batch.chunk_kernel, "kernel", lambda: None)
+        m.setattr(chunk_attention, "available", lambda variant=None: False)
         with_sdpa = prefill(engine)
     assert calls == []
     assert with_kernel.argmax() == with_sdpa.argmax()
@@ -143,19 +145,19 @@ def test_a_bf16_chunk_takes_the_kernel_and_a_float32_one_sdpa(gemma_engine, gemm
     assert calls == []
 
 
-@needs_compiler
+@needs_kernels
 def test_loading_the_kernels_leaves_float32_denormals_alone():
     """A library built with -ffast-math and linked with it would turn on flush-to-zero for the
     whole process as it loads (gcc before 13): every torch operator's float32 denormals would
-    become 0. engine/cbuild.py links without it. A fresh process, so the load happens here."""
+    become 0. cpu_kernels/build.py links without it. A fresh process, so the load happens here."""
     script = (
         "import torch\n"
-        "from kvsnap.engine import chunk_kernel, kernels\n"
-        "assert kernels.kernel() is not None\n"
-        "chunk_kernel.kernel()\n"
+        "from kvsnap.cpu_kernels import chunk_attention, decode_attention\n"
+        "assert decode_attention.available()\n"
+        "chunk_attention.available()\n"
         "print((torch.tensor([1e-40]) * 1.0).item())\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert float(out.stdout.split()[-1]) > 0
-    assert "-shared" not in cbuild.FLAGS
+    assert "-shared" not in build.FLAGS

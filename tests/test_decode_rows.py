@@ -1,4 +1,4 @@
-"""A bf16 step's one-token rows appended and attended in C (engine/decode_rows.py): the same
+"""A bf16 step's one-token rows appended and attended in C (cpu_kernels/decode_rows.py): the same
 bits as the operator path, taken by every row it can take, and nothing else changes."""
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ import threading
 import pytest
 import torch
 
-from kvsnap.engine import Engine, SamplingParams, batch, decode_rows, kernels, load_model
+from kvsnap.cpu_kernels import decode_attention, decode_rows
+from kvsnap.engine import Engine, SamplingParams, batch, load_model
 from kvsnap.engine.scheduler import Scheduler
 from kvsnap.policies import make_policy
 
 from .conftest import random_tokens
 
-pytestmark = pytest.mark.skipif(kernels.kernel() is None, reason="no C compiler: the operator path runs")
+pytestmark = pytest.mark.skipif(not decode_attention.available(), reason="KVSNAP_C_KERNELS=0: the operator path runs")
 
 POLICIES = [
     make_policy("full"),

@@ -1,4 +1,4 @@
-"""The compute dtype (engine/models.py ``resolve_dtype``): chosen at load, carried by weights,
+"""The compute dtype (engine/models/__init__.py ``resolve_dtype``): chosen at load, carried by weights,
 activations and KV; a session's KV is valid only on the same dtype; a rebuild replays the same
 tokens in bfloat16 as in float32 (tests/test_replay.py holds float32 to it for every policy)."""
 

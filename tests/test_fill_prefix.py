@@ -1,4 +1,4 @@
-"""Shared prefix blocks copied in C (engine/block_copy.py). A session starting from them
+"""Shared prefix blocks copied in C (cpu_kernels/block_copy.py). A session starting from them
 (engine/prefix_rows.py ``fill_prefix``): the C copy of bf16 blocks into buffers with spare rows gives
 the cache one concatenation per layer gives, bit for bit (a sliding layer's window too),
 appends go in place after it, and a later chat's answer on a shared document is the same
@@ -12,7 +12,8 @@ from array import array
 import pytest
 import torch
 
-from kvsnap.engine import Engine, SamplingParams, block_copy, load_model, prefix_rows
+from kvsnap.cpu_kernels import block_copy
+from kvsnap.engine import Engine, SamplingParams, load_model, prefix_rows
 from kvsnap.engine.cache import BlockRows, CompressedLayer, export_kv
 from kvsnap.engine.prefix_rows import blocks_written, fill_prefix
 from kvsnap.engine.prefixes import Block
@@ -20,7 +21,7 @@ from kvsnap.policies import make_policy
 
 from .conftest import random_tokens
 
-pytestmark = pytest.mark.skipif(block_copy.kernel() is None, reason="no C compiler: only the concatenation runs")
+pytestmark = pytest.mark.skipif(not block_copy.available(), reason="KVSNAP_C_KERNELS=0: only the concatenation runs")
 
 DOCUMENT = random_tokens(50, seed=61)  # 12 blocks of 4 (longer than tiny-gemma3's window of 16)
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
@@ -47,7 +48,7 @@ def test_the_c_copy_equals_the_concatenation_and_appends_go_in_place(bf16_sharin
     by_c, by_cat = engine.new_session("full").cache, engine.new_session("full").cache
     fill_prefix(by_c, blocks, 20)
     with monkeypatch.context() as patch:
-        patch.setattr(block_copy, "kernel", lambda: None)  # the concatenation
+        patch.setattr(block_copy, "available", lambda: False)  # the concatenation
         fill_prefix(by_cat, blocks)
     for ka, kb in zip(export_kv(by_c), export_kv(by_cat), strict=True):
         assert ka.shape == kb.shape and torch.equal(ka, kb)
@@ -68,7 +69,7 @@ def test_a_later_chat_answers_the_same_with_either_copy(bf16_sharing, monkeypatc
     question = random_tokens(9, seed=3)
     later_chat(engine, question)  # its own blocks too (to 56), with its window's queries (from 51)
     session_c, by_c = later_chat(engine, question)
-    monkeypatch.setattr(block_copy, "kernel", lambda: None)  # torch's copies both ways
+    monkeypatch.setattr(block_copy, "available", lambda: False)  # torch's copies both ways
     session_cat, by_cat = later_chat(engine, question)
     assert by_c.report.cached_tokens == by_cat.report.cached_tokens == 56  # all but its last 3 tokens
     assert by_c.tokens == by_cat.tokens
@@ -102,7 +103,7 @@ def test_blocks_written_in_c_equal_torch_copies_one_allocation_a_block(model, mo
     engine.turn(session, DOCUMENT, SamplingParams(max_new_tokens=1, temperature=0.0))
     by_c = blocks_written(session.cache, 42, 4)  # rows 8..49 of 50: blocks of rows 8..47
     with monkeypatch.context() as patch:
-        patch.setattr(block_copy, "kernel", lambda: None)
+        patch.setattr(block_copy, "available", lambda: False)
         by_torch = blocks_written(session.cache, 42, 4)
     assert len(by_c) == len(by_torch) == 10
     storages = set()

@@ -1,4 +1,4 @@
-"""The fused C kernels of bf16 CPU models (engine/fused.py): RMSNorm and gated activations give
+"""The fused C kernels of bf16 CPU models (engine/models/fused.py): RMSNorm and gated activations give
 transformers' bf16 values (up to one rounding step where float32 sums in another order), and a
 model running them answers as one running transformers' operators."""
 
@@ -10,11 +10,13 @@ from transformers.activations import ACT2FN
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from kvsnap.engine import fused, load_model
+from kvsnap.cpu_kernels import fused_ops
+from kvsnap.engine import load_model
+from kvsnap.engine.models import fused
 
 from .conftest import random_tokens
 
-pytestmark = pytest.mark.skipif(fused.library() is None, reason="no C compiler: torch's operators run")
+pytestmark = pytest.mark.skipif(not fused_ops.available(), reason="KVSNAP_C_KERNELS=0: torch's operators run")
 
 
 def steps_apart(got: torch.Tensor, want: torch.Tensor, steps: int = 1) -> None:
@@ -37,15 +39,15 @@ def test_rms_norm_gives_transformers_values(norm_class, rows):
     x = (torch.randn(1, rows, 96, generator=gen) * 3).bfloat16()
     eps = norm.variance_epsilon if norm_class is LlamaRMSNorm else norm.eps
     with torch.inference_mode():
-        steps_apart(fused.rms_norm(x, norm.weight, eps, gemma=norm_class is Gemma3RMSNorm), norm(x))
-        steps_apart(fused.rms_norm(x[:, ::2], norm.weight, eps, norm_class is Gemma3RMSNorm), norm(x[:, ::2]))
+        steps_apart(fused_ops.rms_norm(x, norm.weight, eps, gemma=norm_class is Gemma3RMSNorm), norm(x))
+        steps_apart(fused_ops.rms_norm(x[:, ::2], norm.weight, eps, norm_class is Gemma3RMSNorm), norm(x[:, ::2]))
 
 
 @pytest.mark.parametrize(("name", "act"), [("silu", 0), ("gelu_pytorch_tanh", 1)])
 def test_act_mul_gives_transformers_values(name, act):
     gen = torch.Generator().manual_seed(act)
     gate, up = ((torch.randn(3, 5000, generator=gen) * 3).bfloat16() for _ in range(2))
-    steps_apart(fused.act_mul(gate, up, act), ACT2FN[name](gate) * up, steps=2)  # act(gate), then the product
+    steps_apart(fused_ops.act_mul(gate, up, act), ACT2FN[name](gate) * up, steps=2)  # act(gate), then the product
 
 
 def test_a_bf16_model_runs_them_and_computes_as_with_transformers_operators(tiny_engine):

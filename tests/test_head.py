@@ -1,4 +1,4 @@
-"""The LM head (engine/head.py): greedy rows get the exact argmax, through an fp32 or a bf16
+"""The LM head (engine/models/head.py): greedy rows get the exact argmax, through an fp32 or a bf16
 first pass and a float64 recompute of the candidates; sampled rows get every fp32 logit."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvsnap.engine import SamplingParams
-from kvsnap.engine.head import SCREEN_MIN_ROWS, LMHead, screen_pays
+from kvsnap.engine.models.head import SCREEN_MIN_ROWS, LMHead, screen_pays
 
 
 class Head(torch.nn.Module):
@@ -59,7 +59,7 @@ def test_greedy_rows_get_the_exact_argmax_on_near_ties(rows):
 def test_a_flat_row_makes_every_token_a_candidate_and_is_recomputed_in_chunks(monkeypatch):
     """A zero hidden state gives every token the same logit: all are candidates; the float64
     recompute goes in chunks (bounded memory) and the argmax is the first token, as torch's."""
-    monkeypatch.setattr("kvsnap.engine.head.EXACT_CHUNK", 64)
+    monkeypatch.setattr("kvsnap.engine.models.head.EXACT_CHUNK", 64)
     weight, hidden, _ = near_ties(rows=6)
     hidden[2] = 0.0
     head = LMHead(Head(weight), softcap=None, screen=True)
@@ -142,14 +142,15 @@ def test_a_bf16_head_gives_the_exact_argmax_of_its_own_weights():
 
 def test_without_amx_the_bf16_first_pass_runs_on_a_copy_of_the_head_made_once():
     """On a CPU without AMX tiles a bf16 head's first pass runs on a copy of the head made at
-    start-up: engine/few_linear.py's repack where the CPU has AVX-512 BF16 (within the bound the
+    start-up: cpu_kernels/linear_vectors.py's repack where the CPU has AVX-512 BF16 (within the bound the
     screen assumes, any row count), else oneDNN's product with the head packed once (F.linear
     reorders it every call: the same bits)."""
-    from kvsnap.engine import few_linear, packed
+    from kvsnap.cpu_kernels import linear_vectors
+    from kvsnap.engine.models import packed
 
     weight = torch.randn(1 << 16, 64).bfloat16()
     head = LMHead(Head(weight), None, screen=True)
-    if head.tiles or not (few_linear.takes(weight) or packed.can_pack(weight)):
+    if head.tiles or not (linear_vectors.takes(weight) or packed.can_pack(weight)):
         assert head.packed is None and head.few is None
         pytest.skip("AMX tiles take the first pass here, or there are no bf16 kernels")
     assert (head.few is None) != (head.packed is None)  # one copy, not two

@@ -1,4 +1,4 @@
-"""engine/lean.py: a bf16 CPU Llama layer's forward without transformers' module calls gives
+"""engine/models/lean.py: a bf16 CPU Llama layer's forward without transformers' module calls gives
 transformers' bits (RoPE in C included), and is installed only where it applies."""
 
 from __future__ import annotations
@@ -9,13 +9,15 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaConfig, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kvsnap.engine import Engine, SamplingParams, fused, lean, load_model
+from kvsnap.cpu_kernels import fused_ops
+from kvsnap.engine import Engine, SamplingParams, load_model
+from kvsnap.engine.models import lean
 from kvsnap.engine.scheduler import Scheduler
 from kvsnap.policies import make_policy
 
 from .conftest import random_tokens
 
-pytestmark = pytest.mark.skipif(fused.library() is None, reason="no C compiler: transformers' layers run")
+pytestmark = pytest.mark.skipif(not fused_ops.available(), reason="KVSNAP_C_KERNELS=0: transformers' layers run")
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 300])
@@ -27,7 +29,7 @@ def test_rope_is_transformers_bit_for_bit(tokens):
     q, k = x.view(1, tokens, 9, 64).transpose(1, 2), y.view(1, tokens, 3, 64).transpose(1, 2)  # as the layer's views
     cos, sin = LlamaRotaryEmbedding(config)(x, torch.arange(tokens)[None] + 5000)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
-    got_q, got_k = fused.rope(q, k, cos, sin)
+    got_q, got_k = fused_ops.rope(q, k, cos, sin)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
@@ -73,8 +75,8 @@ def test_lean_layers_give_transformers_bits(monkeypatch):
         make_policy("kvzip", budget=20, window=8),
     ]
     ropes = []
-    real = fused.rope
-    monkeypatch.setattr(fused, "rope", lambda q, *a: (ropes.append(q.shape[2]), real(q, *a))[1])
+    real = fused_ops.rope
+    monkeypatch.setattr(fused_ops, "rope", lambda q, *a: (ropes.append(q.shape[2]), real(q, *a))[1])
     with torch.inference_mode():
         lean_logits = model(prompts[:1]).logits  # one sequence: the lean forward
     lean_run = _turns(engine, policies)

@@ -8,7 +8,8 @@ import threading
 import pytest
 import torch
 
-from kvsnap.engine import SamplingParams, kernels
+from kvsnap.cpu_kernels import decode_attention
+from kvsnap.engine import SamplingParams
 from kvsnap.policies import make_policy
 
 from .conftest import random_tokens
@@ -40,8 +41,12 @@ def test_bf16_decode_rows_take_one_token_attention_and_prompt_chunks_sdpa(tiny_e
     a prompt chunk's rows through SDPA with their causal mask."""
     from kvsnap.engine import Engine, batch, load_model
 
-    monkeypatch.setattr(batch.kernels, "kernel", lambda: None)  # the torch path (the kernel's test is below)
-    monkeypatch.setattr(batch.chunk_kernel, "kernel", lambda: None)  # and SDPA for chunks (test_chunk_kernel.py)
+    monkeypatch.setattr(
+        batch.decode_attention, "available", lambda: False
+    )  # the torch path (the kernel's test is below)
+    monkeypatch.setattr(
+        batch.chunk_attention, "available", lambda variant=None: False
+    )  # and SDPA for chunks (test_chunk_kernel.py)
     engine = Engine(load_model(tiny_engine.loaded.name, dtype="bfloat16"), prefill_chunk=16)
     calls = []
     real = batch.one_token_attention
@@ -54,13 +59,13 @@ def test_bf16_decode_rows_take_one_token_attention_and_prompt_chunks_sdpa(tiny_e
     assert calls == [1] * (3 * layers)  # the turn's 3 decode steps (its 4th token stays pending)
 
 
-needs_kernel = pytest.mark.skipif(kernels.kernel() is None, reason="no C compiler: the torch path runs")
+needs_kernel = pytest.mark.skipif(not decode_attention.available(), reason="KVSNAP_C_KERNELS=0: the torch path runs")
 
 
 @needs_kernel
 @pytest.mark.parametrize("dim", [64, 256])
 def test_kernel_is_one_token_attention_within_float32_rounding(dim):
-    """engine/kernels.py's C kernel, rows of different lengths in one call (one on a strided
+    """cpu_kernels/decode_attention.py's C kernel, rows of different lengths in one call (one on a strided
     view of a longer buffer, as a cache layer holds), against the torch path row by row."""
     from kvsnap.engine.batch import one_token_attention
 
@@ -71,8 +76,8 @@ def test_kernel_is_one_token_attention_within_float32_rounding(dim):
         buf = (torch.randn(2, 1, 2, n + 5, dim, generator=gen) * 2).bfloat16()
         keys.append(buf[0, :, :, :n])  # a view: head stride (n + 5) * dim
         values.append(buf[1, :, :, :n])
-    assert all(kernels.fits(q, k, v) for q, k, v in zip(queries, keys, values, strict=True))
-    got = kernels.one_token_rows(queries, keys, values, 0.1)
+    assert all(decode_attention.takes(q, k, v) for q, k, v in zip(queries, keys, values, strict=True))
+    got = decode_attention.one_token_rows(queries, keys, values, 0.1)
     for q, k, v, out in zip(queries, keys, values, got, strict=True):
         want = one_token_attention(q, k, v, 0.1)
         assert out.shape == want.shape == (1, 1, 8, dim) and out.dtype == torch.bfloat16
@@ -89,11 +94,11 @@ def test_kernel_takes_every_decode_row_of_a_layer_in_one_call_and_answers_as_tor
 
     def tokens(use_kernel: bool) -> tuple[list[list[int]], list[int]]:
         calls = []
-        real = kernels.attend  # what one_token_rows and engine/decode_rows.py call
+        real = decode_attention.attend  # what one_token_rows and cpu_kernels/decode_rows.py call
         with monkeypatch.context() as m:
             if not use_kernel:
-                m.setattr(batch.kernels, "kernel", lambda: None)
-            m.setattr(kernels, "attend", lambda q, rows, *a: (calls.append(len(rows)), real(q, rows, *a))[1])
+                m.setattr(batch.decode_attention, "available", lambda: False)
+            m.setattr(decode_attention, "attend", lambda q, rows, *a: (calls.append(len(rows)), real(q, rows, *a))[1])
             engine = Engine(load_model(tiny_engine.loaded.name, dtype="bfloat16"), prefill_chunk=64)
             scheduler = Scheduler(engine, threading.RLock(), max_batch=4, start=False)
             params = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0)

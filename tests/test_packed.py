@@ -1,4 +1,4 @@
-"""Packed bf16 linear weights (engine/packed.py): the same numbers as ``F.linear``, faster."""
+"""Packed bf16 linear weights (engine/models/packed.py): the same numbers as ``F.linear``, faster."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from kvsnap.engine import Engine, SamplingParams, fused, lean, load_model, packed
-from kvsnap.engine.packed import can_pack, is_grouped, is_packed, pack_linears, unpack_linears
+from kvsnap.engine import Engine, SamplingParams, load_model
+from kvsnap.engine.models import fused, lean, packed
+from kvsnap.engine.models.packed import can_pack, is_grouped, is_packed, pack_linears, unpack_linears
 from kvsnap.policies import make_policy
 
 from .conftest import random_tokens

@@ -12,7 +12,8 @@ import gc
 import pytest
 import torch
 
-from kvsnap.engine import Engine, SamplingParams, block_copy, chunk_kernel, load_model, prefix_rows, votes_kernel
+from kvsnap.cpu_kernels import block_copy, chunk_attention, snapkv_votes
+from kvsnap.engine import Engine, SamplingParams, load_model, prefix_rows
 from kvsnap.engine.cache import CompressedLayer, SlidingLayer, cache_bytes, export_kv
 from kvsnap.engine.prefix_rows import SharedRows, fill_prefix
 from kvsnap.engine.prefixes import PrefixCache
@@ -23,8 +24,8 @@ from .test_chunk_kernel import rows
 from .test_fill_prefix import DOCUMENT, later_chat
 
 pytestmark = pytest.mark.skipif(
-    chunk_kernel.kernel() is None or block_copy.kernel() is None,
-    reason="no AMX or AVX-512 BF16 (or no compiler): shared rows are always copied",
+    not chunk_attention.available() or not block_copy.available(),
+    reason="no AMX or AVX-512 BF16 (or KVSNAP_C_KERNELS=0): shared rows are always copied",
 )
 
 
@@ -39,16 +40,16 @@ def as_blocks(keys: torch.Tensor, values: torch.Tensor, shared: int, block: int)
     return refs, keys[:, :, shared:].clone(), values[:, :, shared:].clone()
 
 
-@pytest.mark.parametrize("build", chunk_kernel.builds())
+@pytest.mark.parametrize("variant", chunk_attention.variants())
 @pytest.mark.parametrize(
     "heads, kv_heads, dim, count, length, shared, block",
     [(9, 3, 64, 30, 700, 656, 16), (9, 3, 64, 37, 80, 32, 4), (4, 1, 256, 33, 300, 256, 16), (9, 3, 64, 2, 18, 16, 16)],
 )
-def test_rows_read_from_blocks_give_the_bits_of_one_buffer(build, heads, kv_heads, dim, count, length, shared, block):
+def test_rows_read_from_blocks_give_the_bits_of_one_buffer(variant, heads, kv_heads, dim, count, length, shared, block):
     query, keys, values = rows(heads, kv_heads, dim, count, length, seed=length)
-    whole = chunk_kernel.attention(query, keys, values, dim**-0.5, None, build=build)
+    whole = chunk_attention.attention(query, keys, values, dim**-0.5, None, variant=variant)
     refs, own_k, own_v = as_blocks(keys, values, shared, block)
-    paged = chunk_kernel.attention(query, own_k, own_v, dim**-0.5, None, build=build, shared=refs)
+    paged = chunk_attention.attention(query, own_k, own_v, dim**-0.5, None, variant=variant, shared=refs)
     assert torch.equal(paged, whole)
     copied_k, copied_v = (
         torch.empty(1, kv_heads, shared + 3, dim, dtype=torch.bfloat16),
@@ -61,7 +62,7 @@ def test_rows_read_from_blocks_give_the_bits_of_one_buffer(build, heads, kv_head
     # SnapKV's votes of the last 8 queries (with those rows' own keys) and a compression's kept rows
     window = query[:, :, -8:]
     assert torch.equal(
-        votes_kernel.votes(window, own_k, dim**-0.5, shared=refs), votes_kernel.votes(window, keys, dim**-0.5)
+        snapkv_votes.votes(window, own_k, dim**-0.5, shared=refs), snapkv_votes.votes(window, keys, dim**-0.5)
     )
     gen = torch.Generator().manual_seed(length)
     positions = torch.stack(
@@ -85,8 +86,10 @@ def test_a_later_chat_that_refers_answers_and_holds_what_a_copying_one_does(shar
     later_chat(engine, random_tokens(5, seed=4))  # the document's blocks
     question = random_tokens(9, seed=5)
     later_chat(engine, question)  # its own blocks too, with its window's queries
-    calls, real = [], chunk_kernel.attention
-    monkeypatch.setattr(chunk_kernel, "attention", lambda *a, **kw: (calls.append(kw.get("shared")), real(*a, **kw))[1])
+    calls, real = [], chunk_attention.attention
+    monkeypatch.setattr(
+        chunk_attention, "attention", lambda *a, **kw: (calls.append(kw.get("shared")), real(*a, **kw))[1]
+    )
     copies, copy_into = [], SharedRows.copy_into
     monkeypatch.setattr(
         SharedRows, "copy_into", lambda self, k, v: (copies.append(self.rows), copy_into(self, k, v))[1]

@@ -7,7 +7,11 @@ import os
 
 from kvsnap.errors import InvalidArgument
 
-DTYPES = ("auto", "bfloat16", "float32")  # engine/models.py DTYPE_CHOICES (the CLI does not import torch to parse)
+DTYPES = (
+    "auto",
+    "bfloat16",
+    "float32",
+)  # engine/models/__init__.py DTYPE_CHOICES (the CLI does not import torch to parse)
 
 
 def csv(kind):
