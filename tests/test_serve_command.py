@@ -104,6 +104,15 @@ def test_kvsnap_serve_from_a_fresh_directory_answers_and_stops_cleanly(tmp_path)
         rest = template_for(tok).encode([{"role": "user", "content": "And the red door?"}], first=False)
         assert again["prompt_tokens"] == len(rest), (again, len(rest))
         _prose_follow_up(headers, tok)
+        # the KVzap surrogates shipped for the embedded model fit its weights as a fresh install loads them
+        zap = requests.post(
+            "http://127.0.0.1:8000/v1/sessions",
+            json={"session_id": "zap", "document": document * 40, "settings": {"policy": "kvzap", "budget": 128}},
+            headers=headers,
+            timeout=120,
+        )
+        assert zap.status_code == 201, zap.text
+        assert zap.json()["kept_len"] < zap.json()["logical_len"], zap.json()
         # the data directory is the default one, inside the working directory, with Redis's files in it
         assert (workdir / ".kvsnap" / "redis" / "redis.log").exists()
         assert list((workdir / ".kvsnap" / "redis").glob("appendonly*"))

@@ -1,14 +1,14 @@
-"""Model loading: the embedded models (Gemma 3 270M, the default; SmolLM2-135M-Instruct), any
-HF model id / local path / GGUF file,
-and tiny random-weight presets for tests (built from a config, no download).
+"""Model loading: the embedded models (SmolLM2-135M-Instruct, the default: instruction-tuned,
+with a chat template; Gemma 3 270M, a base model), any HF model id / local path / GGUF file,
+and tiny random-weight presets for tests (built from a config, no download). The model
+patching that makes bf16 CPU models fast sits beside it (packed.py, fused.py, lean.py, head.py).
 
-Every model is loaded with kvsnap's capturing attention (see ``capture.py``), in
+Every model is loaded with kvsnap's capturing attention (see ``engine/capture.py``), in
 eval mode, on CUDA when present, else CPU.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 import os
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"  # instruction-tuned, with its chat template (make run serves it)
 TINY_PRESETS = ("tiny-llama", "tiny-gemma3")
+SAMPLE = 4096  # values of each parameter the weights' fingerprint reads
 
 
 class ByteTokenizer:
@@ -150,8 +151,9 @@ def load_model(
     except OSError as exc:
         raise InvalidArgument(f"cannot load model {name!r}: {exc}") from exc
     model.to(dev).eval()
+    weights = _fingerprint(name, model)  # before packing adds copies of the weights
     _pack(model, name)
-    return LoadedModel(model, tokenizer, name, dev, _fingerprint(name, gguf_file, model))
+    return LoadedModel(model, tokenizer, name, dev, weights)
 
 
 def _pack(model: torch.nn.Module, name: str) -> None:
@@ -276,11 +278,18 @@ def _converted(gguf: Path, target: Path) -> str:
     return str(target)
 
 
-def _fingerprint(name: str, gguf_file: str | None, model: torch.nn.Module) -> str:
-    config = copy.deepcopy(model.config)
-    config.dtype = torch.float32  # the weights' own (converted to float32), whatever dtype they run in
-    digest = hashlib.sha256(f"{name}|{gguf_file}|{config.to_json_string()}".encode()).hexdigest()
-    return f"{Path(name).name}-{digest[:12]}"
+def _fingerprint(name: str, model: torch.nn.Module) -> str:
+    """What identifies the weights, whatever dtype they run in and whatever library loaded them:
+    every parameter's name and shape and a strided sample of its values, rounded to bf16 (a
+    float32 and a bf16 load agree). Not the config's JSON: transformers writes its own version
+    and the defaults it adds there, so that changed with every release."""
+    digest = hashlib.sha256()
+    for key, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        flat = param.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE].to("cpu", torch.bfloat16)
+        digest.update(f"{key}{tuple(param.shape)}".encode())
+        digest.update(sample.view(torch.int16).numpy().tobytes())
+    return f"{Path(name).name}-{digest.hexdigest()[:12]}"
 
 
 def tokenizer_for(name: str = DEFAULT_MODEL, gguf_file: str | None = None):
