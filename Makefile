@@ -42,7 +42,7 @@ $(AIPERF):
 	test -x .aiperf/bin/python || $(PY) -m venv .aiperf
 	.aiperf/bin/pip install --quiet "aiperf==0.13.0"
 
-# vLLM's CPU build, the peer bench/peer_bench.py runs kvsnap against, next to the same torch; the
+# vLLM's CPU build, the peer bench/peers/peer_bench.py runs kvsnap against, next to the same torch; the
 # torchvision / torchaudio / torchcodec it pulls in are built for another torch and not needed.
 # --no-compile: its 3.5 GB are not byte-compiled at install (1 min 45 s with, 46 s without here);
 # a server start compiles what it imports. Not for .venv and .aiperf: a fresh-clone make test
@@ -55,7 +55,7 @@ $(VLLM):
 	touch $(VLLM)
 
 peer: $(STAMP) $(VLLM)  ## kvsnap against vLLM's CPU build, same model and requests (ARGS=--small: test size)
-	$(BIN)/python bench/peer_bench.py $(ARGS)
+	$(BIN)/python bench/peers/peer_bench.py $(ARGS)
 
 test-fast: $(STAMP)  ## everything but the tests that load the real model
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
@@ -66,13 +66,13 @@ lint: $(STAMP)  ## Python: ruff; C: every kernel variant built with -Wall -Wextr
 	KVSNAP_KERNELS_STRICT=1 $(BIN)/python -m kvsnap.cpu_kernels.build
 
 bench: $(STAMP)  ## engine benchmark on the embedded model (minutes on 2 CPU cores)
-	$(BIN)/python bench/engine_bench.py $(ARGS)
+	$(BIN)/python bench/micro/engine_bench.py $(ARGS)
 
 bench-suite: $(STAMP)  ## load tests vs a local service: resume, concurrency, routing gains + quality (long)
-	$(BIN)/python bench/suite.py $(ARGS)
+	$(BIN)/python bench/service/suite.py $(ARGS)
 
 reliability: $(STAMP)  ## faults, overload, fuzzing against a local service, long form (ARGS=--quick: the CI one)
-	$(BIN)/python bench/reliability.py $(ARGS)
+	$(BIN)/python bench/reliability/suite.py $(ARGS)
 
 eval: $(STAMP)  ## quality harness on the embedded model, small version (ARGS="" for the full one)
 	$(BIN)/kvsnap eval $(or $(ARGS),--quick)

@@ -131,7 +131,7 @@ class Compression:
         net = self.surrogates.get(kind)
         if net is None:
             path = weights_path(self.loaded.name, kind)
-            train = f"train one: python bench/kvzap_train.py --model {self.loaded.name}"
+            train = f"train one: python bench/compression/train_kvzap.py --model {self.loaded.name}"
             if not path.exists():
                 raise InvalidArgument(
                     f"no KVzap {kind} surrogate for model {self.loaded.name!r} ({path.name}); {train}"

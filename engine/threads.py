@@ -16,7 +16,7 @@ def own_threads(threads: int) -> None:
     than the process has CPUs, no team spins between regions, and each of a decode step's
     ~1,000 small operators waits for a woken thread: a step of 8 decoding SmolLM2 sessions took
     110 ms on this thread after the model was loaded on two threads on the main thread, 52 ms
-    after a load on one (bench/threads_bench.py; docs/BENCHMARKS.md, "OpenMP teams"). So the
+    after a load on one (bench/micro/omp_threads_bench.py; docs/BENCHMARKS.md, "OpenMP teams"). So the
     steps and the model work sent through :meth:`.scheduler.Scheduler.call` are the only ones
     with a team: the replica loads its model on one thread, and request threads (tier copies,
     imports) run on one.

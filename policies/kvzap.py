@@ -2,7 +2,7 @@
 attention input, as the prefill passes (see :mod:`.scored` for which rows stay).
 
 ``surrogate``: ``linear`` (``D -> H_kv``) or ``mlp`` (``D -> D/8 -> H_kv``, GELU), trained here
-by ``bench/kvzap_train.py`` and shipped in ``policies/kvzap_weights/``
+by ``bench/compression/train_kvzap.py`` and shipped in ``policies/kvzap_weights/``
 (``<model>.<surrogate>.safetensors``, the model's fingerprint in its metadata) for the embedded
 models. A model without weights trained on it refuses the policy before any work.
 """

@@ -12,7 +12,7 @@ the turn is prefilled and hands to :meth:`ScoredPolicy.keep_scored`:
   adds to the output (``||W_O v_i||``), over the norm of the repeating token's attention input
   (``||h_j||``), per query head, then the largest within each KV group, as a log.
 - ``kvzap`` (:mod:`.kvzap`): a per-layer surrogate (linear, or a 2-layer MLP) trained here
-  to predict that log score from the row's own attention input (``bench/kvzap_train.py``),
+  to predict that log score from the row's own attention input (``bench/compression/train_kvzap.py``),
   computed as each prefill chunk passes: a few multiply-adds per token.
 
 Which rows stay: every row kept before this turn (scored and kept when its own turn ran: a

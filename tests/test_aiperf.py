@@ -2,7 +2,7 @@
 ``make test`` makes in ``.aiperf/``), run unmodified against the test service in a test-sized
 form: two conversations of three turns over chat and over flattened completions (its template
 endpoint, the history joined by newlines), each with ``--session-header x-session-id`` and with
-no session header. The long form, with timings, is bench/aiperf_bench.py (docs/BENCHMARKS.md)."""
+no session header. The long form, with timings, is bench/service/aiperf_bench.py (docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from kvsnap.engine.models import EMBEDDED
 from kvsnap.store.directory import SessionDirectory
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "aiperf_bench.py"
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "service" / "aiperf_bench.py"
 spec = importlib.util.spec_from_file_location("aiperf_bench", BENCH)
 aiperf_bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(aiperf_bench)

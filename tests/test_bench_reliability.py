@@ -1,9 +1,9 @@
-"""`bench/reliability.py --quick`: faults, overload and hostile input against a real service.
+"""`bench/reliability/suite.py --quick`: faults, overload and hostile input against a real service.
 
 The suite starts its own local Ray, redis-server and Serve app in a child process (it kills
 replicas and crashes Redis, which the shared service fixture must not see), so this file
 runs before the shared fixture is started by later test files. `docs/RELIABILITY.md` has
-the long form's figures (`python bench/reliability.py`).
+the long form's figures (`python bench/reliability/suite.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_quick_reliability_suite_loses_nothing(tmp_path):
-    cmd = [sys.executable, str(ROOT / "bench" / "reliability.py"), "--quick", "--out", str(tmp_path)]
+    cmd = [sys.executable, str(ROOT / "bench" / "reliability" / "suite.py"), "--quick", "--out", str(tmp_path)]
     # below pytest's timeout (pyproject.toml, 900 s): a hung suite is killed here, not by pytest-timeout
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     report = json.loads((tmp_path / "reliability.json").read_text())

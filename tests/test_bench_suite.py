@@ -1,4 +1,4 @@
-"""`bench/suite.py --small`: the one command behind the docs' load-test figures, run for real.
+"""`bench/service/suite.py --small`: the one command behind the docs' load-test figures, run for real.
 
 It starts its own local Ray, embedded Redis and Serve app per phase (in child processes),
 so this file runs before the shared service fixture is started by later test files.
@@ -27,14 +27,14 @@ SUITE_TIMEOUT_S = 1500
 
 @pytest.mark.timeout(SUITE_TIMEOUT_S + 300)
 def test_small_suite_measures_every_gain(tmp_path):
-    cmd = [sys.executable, str(ROOT / "bench" / "suite.py"), "--small", "--out", str(tmp_path)]
+    cmd = [sys.executable, str(ROOT / "bench" / "service" / "suite.py"), "--small", "--out", str(tmp_path)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=SUITE_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
         tails = [
             (x.decode(errors="replace") if isinstance(x, bytes) else x or "")[-3000:] for x in (exc.stdout, exc.stderr)
         ]
-        pytest.fail(f"bench/suite.py --small ran past {SUITE_TIMEOUT_S} s\n" + "\n".join(tails))
+        pytest.fail(f"bench/service/suite.py --small ran past {SUITE_TIMEOUT_S} s\n" + "\n".join(tails))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     r = json.loads((tmp_path / "suite.json").read_text())
 

@@ -1,7 +1,7 @@
 """The ingress's retry rule for a turn whose replica died: retry only when the turn was not
 committed. One component (``SessionAPI``) on a real in-process worker and a real redis-server;
 the worker deployment handle is a stand-in that can lose the replica before the turn runs or
-after it committed (the answer lost). The real replica kills are in bench/reliability.py."""
+after it committed (the answer lost). The real replica kills are in bench/reliability/suite.py."""
 
 from __future__ import annotations
 

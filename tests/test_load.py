@@ -75,7 +75,7 @@ def test_kvsnap_load_cli_poisson_arrivals_writes_json(service, tmp_path):
 def test_locustfile_runs_headless_against_the_service(service, tmp_path):
     locust = shutil.which("locust", path=os.path.dirname(sys.executable))  # a dev dependency
     assert locust, "locust is installed with the dev extras"
-    cmd = [locust, "-f", str(ROOT / "bench" / "locustfile.py"), "--host", service.http, "--headless"]
+    cmd = [locust, "-f", str(ROOT / "bench" / "service" / "locustfile.py"), "--host", service.http, "--headless"]
     cmd += ["-u", "2", "-r", "2", "-t", "8s", "--csv", str(tmp_path / "run"), "--only-summary"]
     env = os.environ | {"KVSNAP_API_KEY": "key-alpha", "KVSNAP_LOAD_CONTEXT": "60", "KVSNAP_LOAD_TOKENS": "4"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)

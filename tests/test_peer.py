@@ -2,7 +2,7 @@
 build (its own virtualenv, ``.vllm/``, which ``make test`` makes) and ``kvsnap serve`` up side by
 side on the folder kvsnap converts the embedded SmolLM2 into, the same multi-turn chats sent to
 both through the ``openai`` client. It checks that both servers answer the same requests, and
-answer them alike; the timings are the long run's (bench/peer_bench.py, docs/BENCHMARKS.md),
+answer them alike; the timings are the long run's (bench/peers/peer_bench.py, docs/BENCHMARKS.md),
 never asserted here."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "bench" / "peer_bench.py"
+BENCH = ROOT / "bench" / "peers" / "peer_bench.py"
 VLLM_PYTHON = ROOT / ".vllm" / "bin" / "python"
 
 pytestmark = pytest.mark.slow  # a real model on two real servers

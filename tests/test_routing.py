@@ -2,7 +2,7 @@
 
 On a busy machine the router's owner lookup (on the ingress's event loop) can run past its
 timeout; the turn must still go to the replica that holds the session, its first follow-up
-included (bench/suite.py's routing phase moved such turns when the machine was loaded).
+included (bench/service/suite.py's routing phase moved such turns when the machine was loaded).
 """
 
 from __future__ import annotations

@@ -74,6 +74,9 @@ def test_kvsnap_serve_from_a_fresh_directory_answers_and_stops_cleanly(tmp_path)
         family.update({p.pid: p for p in _descendants(server.pid)})
         names = " ".join(p.name() for p in family.values())
         assert "redis-server" in names, names  # the embedded Redis is its own child
+        said = "".join(lines)  # at start-up: which defaults a session gets, and that they were measured
+        assert f"session defaults for {DEFAULT_MODEL}: snapkv:r0.875/f512/s (measured" in said, said[-3000:]
+        assert "kernels: variant " in said or "kernels: none" in said, said[-3000:]  # which C kernels run
 
         headers = {"Authorization": f"Bearer {key}"}
         document = "The code of the blue door is 48213. The code of the red door is 99120."

@@ -235,7 +235,7 @@ def test_every_follow_up_turn_lands_on_the_holder(service):
     # this app's overload threshold is 3 turns in flight on one holder, and with three, a holder's
     # queue length seen by the router (a cache that lags finished turns) reached it now and then,
     # moving a turn away (a flake seen in CI). (The router must fulfil exactly the request it
-    # routed; Serve's FIFOMixin did not, which bench/service_bench.py's 16 concurrent users
+    # routed; Serve's FIFOMixin did not, which bench/service/overhead_bench.py's 16 concurrent users
     # exposed: 24/48 turns on their holder, 48/48 after the fix.)
     with ThreadPoolExecutor(2) as pool:
         answers = dict(

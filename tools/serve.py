@@ -84,7 +84,25 @@ def _share_the_cores(cfg):
         cores = len(os.sched_getaffinity(0))
         cfg = cfg.model_copy(update={"cpus_per_replica": float(max(1, cores // cfg.replicas))})
     print(f"{cfg.replicas} replica(s), {cfg.cpus_per_replica:g} CPU(s) each", flush=True)
+    print(_defaults_line(cfg), flush=True)
+    from kvsnap import cpu_kernels
+
+    print(cpu_kernels.warm(), flush=True)  # the C kernels this machine's replicas run (built now, once)
     return cfg
+
+
+def _defaults_line(cfg) -> str:
+    """Which settings a session gets where its caller names none, and whether they were measured
+    on this model (engine/defaults.py) or are the generic ones."""
+    from kvsnap.engine.defaults import MODEL_DEFAULTS
+    from kvsnap.tools.specs import spec_text
+
+    how = (
+        "measured on this model against full KV: docs/BENCHMARKS.md"
+        if cfg.model in MODEL_DEFAULTS
+        else "generic: not measured on this model; kvsnap eval --tasks facts --policies full,default measures them"
+    )
+    return f"session defaults for {cfg.model}: {spec_text(cfg.session_defaults())} ({how})"
 
 
 def _serving(cfg, generated_key: str | None) -> None:

@@ -16,18 +16,21 @@ If ``kvzip+facts`` is no better than ``kvzip``, what a model loses at that compr
 the facts but the context dropped around them, and a better scorer cannot win it back.
 Writes a JSON report (accuracy per variant, and every answer).
 
-Usage: python bench/docfirst_oracle.py --model smollm2-135m --lengths 1024,2048 --seeds 6
+Usage: python bench/compression/docfirst_oracle.py --model smollm2-135m --lengths 1024,2048 --seeds 6
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import DOCS_RESULTS, options, write_json
 
 from kvsnap.engine import Engine, SamplingParams, load_model
 from kvsnap.policies import FullKV
@@ -37,7 +40,6 @@ from kvsnap.tools.backends import ANSWER_TOKENS
 from kvsnap.tools.quality import EvalSpec, build_cases
 from kvsnap.tools.tasks import NEEDLE
 
-ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("full", "kvzip", "kvzap", "kvzip+facts")
 FACT = re.compile(re.escape(NEEDLE).replace(r"\{name\}", r"\w+").replace(r"\{value\}", r"\d+"))
 
@@ -76,13 +78,9 @@ def run(engine: Engine, case, variant: str, ratio: float, window: int) -> list[b
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--lengths", default="1024,2048")
-    ap.add_argument("--seeds", type=int, default=6)
-    ap.add_argument("--keys", type=int, default=4)
-    ap.add_argument("--ratio", type=float, default=0.33)
-    ap.add_argument("--window", type=int, default=32)
+    ap = options(
+        __doc__, model="smollm2-135m", lengths="1024,2048", seeds=6, keys=4, ratio=0.33, window=32, whole_doc=True
+    )
     ap.add_argument("--out", default=None, help="report JSON (default docs/results/docfirst_oracle_<model>.json)")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -104,8 +102,7 @@ def main() -> None:
         "answers": answers,
         "elapsed_s": round(time.perf_counter() - t0, 1),
     }
-    out = Path(args.out or ROOT / "docs" / "results" / f"docfirst_oracle_{args.model}.json")
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_json(args.out or DOCS_RESULTS / f"docfirst_oracle_{args.model}.json", report)
     print("  ".join(f"{v} {a:.0%}" for v, a in accuracy.items()))
     print(f"wrote {out}")
 

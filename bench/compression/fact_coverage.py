@@ -7,7 +7,8 @@ family name, the code) still in the cache, and of the subject's rows (the words 
 question repeats). A value kept in only some heads and layers is what makes a model answer
 "7544" for 75471.
 
-    .venv/bin/python bench/fact_coverage.py --model smollm2-135m --out docs/results/fact_coverage_smollm2-135m.json
+    .venv/bin/python bench/compression/fact_coverage.py --model smollm2-135m \\
+        --out docs/results/fact_coverage_smollm2-135m.json
 
 Prints a table (mean share of value rows kept, share of layer-heads that keep the whole
 value, the same for the subject) and writes a JSON report.
@@ -15,13 +16,16 @@ value, the same for the subject) and writes a JSON report.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import RESULTS, options, write_json
 
 from kvsnap.engine import Engine, SamplingParams, load_model
 from kvsnap.engine import cache as cache_mod
@@ -71,12 +75,9 @@ def coverage(engine: Engine, recorder: Recorder, spec: PolicySpec, ids: list[int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--documents", type=int, default=8)
-    parser.add_argument("--policies", default="full,snapkv:512,snapkv:512/k21,snapkv:512/s,snapkv:r0.5,snapkv:r0.5/s")
-    parser.add_argument("--out", default="bench/results/fact_coverage.json")
+    policies = "full,snapkv:512,snapkv:512/k21,snapkv:512/s,snapkv:r0.5,snapkv:r0.5/s"
+    parser = options(__doc__, model="smollm2-135m", length=2048, documents=8, policies=policies)
+    parser.add_argument("--out", default=str(RESULTS / "fact_coverage.json"))
     args = parser.parse_args()
     started = time.time()
     engine = Engine(load_model(args.model), prefill_chunk=512)
@@ -109,8 +110,7 @@ def main() -> None:
         print(f"{name:18}" + "".join(f"{agg[k]:>15.0%}" for k in agg))
     meta = {"model": args.model, "length": args.length, "documents": args.documents, "elapsed_s": time.time() - started}
     meta["started"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "summary": summary, "documents": results}, indent=1))
+    write_json(args.out, {"meta": meta, "summary": summary, "documents": results}, indent=1)
     print(f"wrote {args.out}")
 
 

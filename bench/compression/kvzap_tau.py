@@ -12,24 +12,25 @@ the last ``--window`` rows of a document are always kept and not counted). That 
 ``kvzap:t<tau>``, lands on the bytes of ``kvzap:r<share>`` while choosing per layer and per
 document by the scores. Writes a JSON report.
 
-Usage: python bench/kvzap_tau.py --model smollm2-135m --lengths 1024,2048 --seeds 6 --share 0.33
+Usage: python bench/compression/kvzap_tau.py --model smollm2-135m --lengths 1024,2048 --seeds 6 --share 0.33
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import DOCS_RESULTS, options, write_json
+
 from kvsnap.engine import Engine, load_model
 from kvsnap.policies.kvzap import SURROGATES
 from kvsnap.tools.kvzap_train import attention_inputs
 from kvsnap.tools.quality import EvalSpec, build_cases
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @torch.inference_mode()
@@ -45,11 +46,7 @@ def predicted(engine: Engine, tokens: list[int], window: int) -> dict[str, torch
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--lengths", default="1024,2048")
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--keys", type=int, default=4)
+    ap = options(__doc__, "model", lengths="1024,2048", seeds=3, keys=4, whole_doc=True)
     ap.add_argument("--share", type=float, default=0.33, help="share of the prunable rows to keep")
     ap.add_argument("--window", type=int, default=32, help="kvsnap eval's window (always kept)")
     ap.add_argument("--out", default=None, help="report JSON (default docs/results/kvzap_tau_<model>.json)")
@@ -69,8 +66,7 @@ def main() -> None:
         report["tau"][kind] = round(tau, 2)  # as a spec gives it: kvzap:t<tau>
         report["kept_share_per_document"][kind] = [round(float((s > tau).float().mean()), 3) for s in scores]
     report["elapsed_s"] = round(time.perf_counter() - t0, 1)
-    out = Path(args.out or ROOT / "docs" / "results" / f"kvzap_tau_{args.model}.json")
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_json(args.out or DOCS_RESULTS / f"kvzap_tau_{args.model}.json", report)
     for kind, tau in report["tau"].items():
         shares = report["kept_share_per_document"][kind]
         print(f"{args.model} {kind}: tau {tau} keeps {args.share:.0%} of {len(documents)} documents' prunable rows "

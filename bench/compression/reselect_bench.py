@@ -8,16 +8,20 @@ generated) on:
 Reports turn latency and TTFT (median of --reps, interleaved), the share of the reselect
 turn spent re-selecting, and the bytes held: device KV (equal for 1 and 2) and the host copy.
 
-Usage: python bench/reselect_bench.py [--lengths 2048,4096] [--budget 256] [--reps 3]
+Usage: python bench/compression/reselect_bench.py [--lengths 2048,4096] [--budget 256] [--reps 3]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import DOCS_RESULTS, options, write_json
 
 from kvsnap.engine import Engine, SamplingParams, load_model
 from kvsnap.policies import make_policy
@@ -25,14 +29,8 @@ from kvsnap.tools.tasks import multi_key_prompt
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--lengths", default="2048,4096")
-    ap.add_argument("--budget", type=int, default=256)
-    ap.add_argument("--window", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs" / "results"))
+    ap = options(__doc__, "model", lengths="2048,4096", budget=256, window=32, new_tokens=8, reps=3)
+    ap.add_argument("--out", default=str(DOCS_RESULTS))
     args = ap.parse_args()
 
     engine = Engine(load_model(args.model), prefill_chunk=1024)
@@ -75,8 +73,7 @@ def main() -> None:
         print(f"L={length} done: {json.dumps(rows[length]['turn_s'])}", flush=True)
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "reselect_bench.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    write_json(out / "reselect_bench.json", {"args": vars(args), "rows": rows}, indent=1)
     print(
         f"\n{args.model}, SnapKV budget {args.budget}, follow-up turn ({args.new_tokens} tokens), median of {args.reps}"
     )

@@ -6,23 +6,25 @@ Per policy and length: median prefill time (the forward passes, plus scoring and
 and its overhead over ``full`` as a share of full's prefill time; for ``kvzip`` its scratch
 reconstruction pass is most of that.
 
-Usage: python bench/scored_bench.py [--model gemma3-270m] [--lengths 1024,2048,4096] [--reps 3]
+Usage: python bench/compression/scoring_cost_bench.py [--model gemma3-270m] [--lengths 1024,2048,4096] [--reps 3]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import DOCS_RESULTS, options, write_json
 
 from kvsnap.engine import Engine, load_model
 from kvsnap.engine.turn import Timer
 from kvsnap.policies import make_policy
 from kvsnap.tools.tasks import multi_key_prompt
 
-ROOT = Path(__file__).resolve().parent.parent
 POLICIES = {
     "full": {"name": "full"},
     "snapkv:r0.33": {"name": "snapkv", "ratio": 0.33, "window": 32},
@@ -33,12 +35,7 @@ POLICIES = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--lengths", default="1024,2048,4096")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = options(__doc__, "model", "reps", "out", lengths="1024,2048,4096", whole_doc=True).parse_args()
     engine = Engine(load_model(args.model), prefill_chunk=512)
     lengths = [int(x) for x in args.lengths.split(",")]
     times: dict = {(p, n): [] for p in POLICIES for n in lengths}
@@ -59,11 +56,10 @@ def main() -> None:
         for name in POLICIES:
             t = statistics.median(times[(name, n)])
             rows.append({"policy": name, "tokens": n, "prefill_s": t, "overhead": (t - full) / full})
-    out = Path(args.out or ROOT / "docs" / "results" / f"scored_bench_{args.model}.json")
-    out.write_text(
-        json.dumps(
-            {"args": vars(args), "rows": rows, "samples": {f"{p}@{n}": v for (p, n), v in times.items()}}, indent=2
-        )
+    samples = {f"{p}@{n}": v for (p, n), v in times.items()}
+    out = write_json(
+        args.out or DOCS_RESULTS / f"scored_bench_{args.model}.json",
+        {"args": vars(args), "rows": rows, "samples": samples},
     )
     print(f"{args.model}: prefill time, median of {args.reps}, and the overhead over full")
     print("| policy | " + " | ".join(f"{n} tokens" for n in lengths) + " |")

@@ -7,29 +7,29 @@ surrogate per full-attention layer; writes ``policies/kvzap_weights/<model>.<kin
 and a JSON report (R² per layer for both kinds beside a constant predictor, sizes, timings,
 and the thresholds ``tau`` that keep 25 / 33 / 50 % of the held-out rows).
 
-Usage: python bench/kvzap_train.py --model gemma3-270m [--texts 48] [--test 8] [--tokens 1024]
+Usage: python bench/compression/train_kvzap.py --model gemma3-270m [--texts 48] [--test 8] [--tokens 1024]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import DOCS_RESULTS, options, write_json
+
 from kvsnap.engine import Engine, load_model
 from kvsnap.policies.kvzap import WEIGHTS, weights_path
 from kvsnap.tools.kvzap_train import collect, corpus, main_log, threshold_for, train
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gemma3-270m")
+    ap = options(__doc__, "model", whole_doc=True)
     ap.add_argument("--texts", type=int, default=48, help="texts in all (the last --test held out)")
     ap.add_argument("--test", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per text")
@@ -52,18 +52,15 @@ def main() -> None:
     meta = {"model": args.model, "fingerprint": engine.loaded.weights, "texts": str(args.texts)}
     for kind, net in nets.items():
         net.save(weights_path(args.model, kind), meta | {"kind": kind})
-    out = Path(args.out or ROOT / "docs" / "results" / f"kvzap_train_{args.model}.json")
     summary = {k: {"median": statistics.median(v.values()), "min": min(v.values()), "max": max(v.values())}
                for k, v in report.items()}  # fmt: skip
-    out.write_text(
-        json.dumps(
-            {"args": vars(args), "r2_by_layer": report, "r2": summary, "collect_s": collect_s, "train_s": train_s,
-             "tau_for_share": {f"{share:g}": {kind: threshold_for(nets, test_set, share, kind) for kind in nets}
-                               for share in (0.25, 0.33, 0.5)},
-             "train_rows": len(train_set.layer(engine.full_layers[0])[0]),
-             "test_rows": len(test_set.layer(engine.full_layers[0])[0])},
-            indent=2,
-        )
+    out = write_json(
+        args.out or DOCS_RESULTS / f"kvzap_train_{args.model}.json",
+        {"args": vars(args), "r2_by_layer": report, "r2": summary, "collect_s": collect_s, "train_s": train_s,
+         "tau_for_share": {f"{share:g}": {kind: threshold_for(nets, test_set, share, kind) for kind in nets}
+                           for share in (0.25, 0.33, 0.5)},
+         "train_rows": len(train_set.layer(engine.full_layers[0])[0]),
+         "test_rows": len(test_set.layer(engine.full_layers[0])[0])},
     )  # fmt: skip
     print(f"{args.model}: held-out R² per full-attention layer (median / min / max), {collect_s:.0f} s to collect")
     for kind, s in summary.items():

@@ -85,13 +85,19 @@ def in_own_ray(phase, *args, num_cpus: int = 2, **service):
 
 
 def run_phase_process(
-    script: str, phase: str, argv: list[str], timeout_s: float = 3600, env: dict[str, str] | None = None
+    script: str | Path,
+    phase: str,
+    argv: list[str],
+    timeout_s: float = 3600,
+    env: dict[str, str] | None = None,
+    python: str | Path = sys.executable,
+    cwd: Path | None = None,
 ) -> dict:
     """``python script --phase phase *argv`` in a child process (with ``env`` added to this
-    process's environment); its RESULT line, parsed."""
-    cmd = [sys.executable, script, "--phase", phase, *argv]
+    process's environment; ``python`` and ``cwd``: another tree's); its RESULT line, parsed."""
+    cmd = [str(python), str(script), "--phase", phase, *argv]
     child_env = {**os.environ, **(env or {})}
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout_s, env=child_env)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout_s, env=child_env, cwd=cwd)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         raise SystemExit(f"phase {phase} failed (rc {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")

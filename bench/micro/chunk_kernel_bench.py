@@ -1,29 +1,34 @@
-"""A prompt chunk's attention in C (engine/chunk_kernel.py) against torch's SDPA, side by side in
+"""A prompt chunk's attention in C (cpu_kernels/chunk_attention.py) against torch's SDPA, side by side in
 one run: the attention call alone at the shapes a prefill and a later chat meet (medians of
 --reps alternating runs), and whole bf16 prefills of both embedded models (--tokens tokens in
 chunks of 1,024, alternating, medians), with the SDPA path for the same engine switched on by
 leaving the kernel out (what a CPU without AMX or AVX-512 BF16 runs). The kernel is the build
 this CPU takes (AMX tiles, else AVX-512 BF16 vectors); the report names it.
 
-    .venv/bin/python bench/amx_bench.py --out docs/results/amx_bench.json          # a CPU with AMX
-    .venv/bin/python bench/amx_bench.py --out docs/results/chunk_vectors_bench.json  # AVX-512 BF16 only
+    .venv/bin/python bench/micro/chunk_kernel_bench.py --out docs/results/amx_bench.json          # a CPU with AMX
+    .venv/bin/python bench/micro/chunk_kernel_bench.py --out docs/results/chunk_vectors_bench.json  # AVX-512 BF16 only
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from decode_bench import prefill_s
-from dtype_bench import DOC
 
-from kvsnap.engine import Engine, batch, cbuild, chunk_kernel, load_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
 
-KERNEL = chunk_kernel.kernel
+from harness.cli import options, write_json
+from harness.compare import alternate
+from harness.engine import DOC, median_ms, prefill_s
+
+from kvsnap.cpu_kernels import build, chunk_attention
+from kvsnap.engine import Engine, batch, load_model
+
+KERNEL = chunk_attention.available
+WAYS = ("sdpa", "kernel")
 
 # (label, heads, KV heads, head dim, chunk, rows, window)
 SHAPES = [
@@ -33,16 +38,6 @@ SHAPES = [
     ("gemma3 2K prefill, 2nd chunk, full layer", 4, 1, 256, 1024, 2048, None),
     ("gemma3 2K prefill, 2nd chunk, sliding layer", 4, 1, 256, 1024, 1535, 512),
 ]
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1000
 
 
 def operator_rows(reps: int) -> list[dict]:
@@ -58,7 +53,7 @@ def operator_rows(reps: int) -> list[dict]:
             F.scaled_dot_product_attention(query, keys, values, attn_mask=hidden, scale=scale, enable_gqa=True)
 
         def kernel(query=query, keys=keys, values=values, scale=scale, window=window):
-            chunk_kernel.attention(query, keys, values, scale, window)
+            chunk_attention.attention(query, keys, values, scale, window)
 
         times = {"sdpa": [], "kernel": []}
         for _ in range(3):  # alternating rounds, each a median of reps calls
@@ -71,20 +66,20 @@ def operator_rows(reps: int) -> list[dict]:
     return out
 
 
+def use(way: str) -> None:
+    chunk_attention.available = KERNEL if way == "kernel" else (lambda variant=None: False)
+
+
 def prefill_rows(models: list[str], tokens: int, reps: int) -> dict:
     out = {}
     for model in models:
         engine = Engine(load_model(model, dtype="bfloat16"), prefill_chunk=1024)
         doc = engine.encode(DOC)[:tokens]
-        times = {"sdpa": [], "kernel": []}
-        for way in times:  # warm-up, each way
-            batch.chunk_kernel.kernel = KERNEL if way == "kernel" else (lambda: None)
+        for way in WAYS:  # warm-up, each way
+            use(way)
             prefill_s(engine, doc[:256])
-        for _ in range(reps):
-            for way in times:
-                batch.chunk_kernel.kernel = KERNEL if way == "kernel" else (lambda: None)
-                times[way].append(prefill_s(engine, doc))
-        batch.chunk_kernel.kernel = KERNEL
+        times = alternate(WAYS, use, {"s": lambda e=engine, d=doc: prefill_s(e, d)}, reps, mirror=False)["s"]
+        use("kernel")
         row = {}
         for way, runs in times.items():
             row[way] = {"prefill_s": round(statistics.median(runs), 3), "runs_s": [round(x, 3) for x in runs]}
@@ -96,24 +91,16 @@ def prefill_rows(models: list[str], tokens: int, reps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="smollm2-135m,gemma3-270m")
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = options(__doc__, "models", "tokens", "threads", "out", reps=5).parse_args()
     if KERNEL() is None:
         raise SystemExit("no chunk kernel here (no AMX or AVX-512 BF16, no compiler, or KVSNAP_C_KERNELS=0)")
     torch.set_num_threads(args.threads)
     report = {"threads": args.threads, "reps": args.reps, "dtype": "bfloat16", "torch": torch.__version__}
-    report["build"] = chunk_kernel.build()  # tiles or vectors
-    report["cpu"] = cbuild.cpu_model()
+    report["variant"] = build.chosen()  # amx (tiles) or avx512bf16 (vectors)
+    report["cpu"] = build.cpu_model()
     report["operator"] = operator_rows(args.reps)
     report["prefill"] = prefill_rows(args.models.split(","), args.tokens, args.reps)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

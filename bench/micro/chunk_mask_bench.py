@@ -9,22 +9,25 @@ into an additive one on every call). After: one additive mask a step per shape, 
 KV heads shared, and a prompt's first chunk on an empty cache without a mask (plain causal:
 SDPA skips the blocks above the diagonal). The numbers are the same (tests/test_chunk_attention.py).
 
-    .venv/bin/python bench/chunk_bench.py --out docs/results/chunk_bench.json
+    .venv/bin/python bench/micro/chunk_mask_bench.py --out docs/results/chunk_bench.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
-from decode_bench import prefill_s, top_ops
-from dtype_bench import DOC
-from torch.profiler import ProfilerActivity, profile
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvsnap.engine import Engine, batch, capture, load_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import options
+from harness.compare import alternate, report_models
+from harness.engine import bench_doc, bf16_engine, prefill_s, profiled
+
+from kvsnap.engine import batch, capture
 
 AFTER = batch.chunk_attention, batch.mask
 
@@ -46,45 +49,32 @@ def use(way: str) -> None:
     capture.chunk_attention = attend  # what the packed step's attention hands a prompt chunk to
 
 
+def model_report(model: str, args) -> dict:
+    engine = bf16_engine(model)
+    doc = bench_doc(engine, args.tokens)
+    times = alternate(("before", "after"), use, {"s": lambda: prefill_s(engine, doc)}, args.reps, mirror=False)["s"]
+    row = {}
+    for way, seconds in times.items():
+        use(way)
+        ops = profiled(lambda: prefill_s(engine, doc), n=12)
+        attention = sum(o["share"] for o in ops if "attention" in o["op"] or o["op"] in ("aten::where", "aten::le"))
+        row[way] = {"prefill_s": round(statistics.median(seconds), 3), "runs_s": [round(s, 3) for s in seconds]}
+        row[way] |= {
+            "tokens_per_s": round(args.tokens / statistics.median(seconds)),
+            "attention_share": round(attention, 3),
+        }
+        row[way]["top_ops"] = ops
+    row["speedup"] = round(row["before"]["prefill_s"] / row["after"]["prefill_s"], 2)
+    use("after")
+    print(model, row["before"]["prefill_s"], "->", row["after"]["prefill_s"], "s", flush=True)
+    return row
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="smollm2-135m,gemma3-270m")
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = options(__doc__, "models", "tokens", "reps", "threads", "out").parse_args()
     torch.set_num_threads(args.threads)
     report = {"tokens": args.tokens, "threads": args.threads, "reps": args.reps, "dtype": "bfloat16"}
-    for model in args.models.split(","):
-        engine = Engine(load_model(model, dtype="bfloat16"), prefill_chunk=1024)
-        doc = engine.encode(DOC)[: args.tokens]
-        prefill_s(engine, doc[:256])  # warm-up
-        times = {"before": [], "after": []}
-        for _ in range(args.reps):
-            for way in times:
-                use(way)
-                times[way].append(prefill_s(engine, doc))
-        row = {}
-        for way, seconds in times.items():
-            use(way)
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                prefill_s(engine, doc)
-            ops = top_ops(prof, n=12)
-            attention = sum(o["share"] for o in ops if "attention" in o["op"] or o["op"] in ("aten::where", "aten::le"))
-            row[way] = {"prefill_s": round(statistics.median(seconds), 3), "runs_s": [round(s, 3) for s in seconds]}
-            row[way] |= {
-                "tokens_per_s": round(args.tokens / statistics.median(seconds)),
-                "attention_share": round(attention, 3),
-            }
-            row[way]["top_ops"] = ops
-        row["speedup"] = round(row["before"]["prefill_s"] / row["after"]["prefill_s"], 2)
-        use("after")
-        report[model] = row
-        print(model, row["before"]["prefill_s"], "->", row["after"]["prefill_s"], "s", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    report_models(args, report, model_report, show=False)
 
 
 if __name__ == "__main__":

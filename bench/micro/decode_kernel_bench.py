@@ -1,71 +1,63 @@
-"""One decode step with and without the one-token attention kernel (engine/kernels.py), side by
+"""One decode step with and without the one-token attention kernel (cpu_kernels/decode_attention.py), side by
 side in one run: bf16 full-KV sessions on their own ``--tokens``-row caches, 1 and 8 generating,
 both embedded models; each case alternates with the other ``--runs`` times (medians), and one
 more step of each under torch.profiler gives its top operators (self CPU time).
 
-    .venv/bin/python bench/kernel_bench.py --out docs/results/kernel_bench.json
+    .venv/bin/python bench/micro/decode_kernel_bench.py --out docs/results/kernel_bench.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
-from decode_bench import sessions_on, step, step_ms, top_ops
-from dtype_bench import DOC
-from torch.profiler import ProfilerActivity, profile
 
-from kvsnap.engine import Engine, kernels, load_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
 
-KERNEL = kernels.kernel
+from harness.cli import options
+from harness.compare import alternate, report_models
+from harness.engine import DOC, profiled, sessions_on, step, step_ms
+
+from kvsnap.cpu_kernels import decode_attention
+from kvsnap.engine import Engine, load_model
+
+KERNEL = decode_attention.available
 
 
 def use_kernel(on: bool) -> None:
-    kernels.kernel = KERNEL if on else (lambda: None)
+    decode_attention.available = KERNEL if on else (lambda: False)
+
+
+def model_report(model: str, args) -> dict:
+    engine = Engine(load_model(model, dtype="bfloat16"), prefill_chunk=1024)
+    sessions = sessions_on(engine, engine.encode(DOC)[: args.tokens], 8)
+    rows = {}
+    for count in (1, 8):
+        steps = {"ms": lambda s=sessions[:count]: step_ms(engine, s, args.steps)}
+        times = alternate(("torch", "kernel"), lambda label: use_kernel(label == "kernel"), steps, args.runs, False)
+        case = {}
+        for label, ms in times["ms"].items():
+            use_kernel(label == "kernel")
+            median = statistics.median(ms)
+            case[label] = {"step_ms": round(median, 1), "tokens_per_s": round(count * 1000 / median, 1)}
+            case[label]["top_ops"] = profiled(lambda s=sessions[:count]: step(engine, s))
+        case["speedup"] = round(case["torch"]["step_ms"] / case["kernel"]["step_ms"], 2)
+        rows[f"sessions_{count}"] = case
+        before, after = case["torch"]["step_ms"], case["kernel"]["step_ms"]
+        print(model, count, "sessions:", before, "->", after, "ms a step", flush=True)
+    use_kernel(True)
+    return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="smollm2-135m,gemma3-270m")
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = options(__doc__, "models", "tokens", "threads", "out", steps=6, runs=3).parse_args()
     if KERNEL() is None:
         raise SystemExit("the kernel is not available here (no C compiler, or KVSNAP_C_KERNELS=0)")
     torch.set_num_threads(args.threads)
     report = {"tokens": args.tokens, "threads": args.threads, "runs": args.runs, "dtype": "bfloat16"}
-    for model in args.models.split(","):
-        engine = Engine(load_model(model, dtype="bfloat16"), prefill_chunk=1024)
-        sessions = sessions_on(engine, engine.encode(DOC)[: args.tokens], 8)
-        rows = {}
-        for count in (1, 8):
-            times = {"torch": [], "kernel": []}
-            for _ in range(args.runs):
-                for label in times:
-                    use_kernel(label == "kernel")
-                    times[label].append(step_ms(engine, sessions[:count], args.steps))
-            case = {}
-            for label, ms in times.items():
-                use_kernel(label == "kernel")
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
-                    step(engine, sessions[:count])
-                median = statistics.median(ms)
-                case[label] = {"step_ms": round(median, 1), "tokens_per_s": round(count * 1000 / median, 1)}
-                case[label]["top_ops"] = top_ops(prof)
-            case["speedup"] = round(case["torch"]["step_ms"] / case["kernel"]["step_ms"], 2)
-            rows[f"sessions_{count}"] = case
-            before, after = case["torch"]["step_ms"], case["kernel"]["step_ms"]
-            print(model, count, "sessions:", before, "->", after, "ms a step", flush=True)
-        use_kernel(True)
-        report[model] = rows
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    report_models(args, report, model_report, show=False)
 
 
 if __name__ == "__main__":

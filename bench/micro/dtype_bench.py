@@ -3,30 +3,24 @@ a 2K-token prefill, one decode step of one session, and the KV one session of 2K
 (full KV: the bytes of its cache tensors), so sessions resident per GiB. In-process (``Engine``), the
 threads a replica gets (``--threads``), each measurement the best of ``--reps``.
 
-    .venv/bin/python bench/dtype_bench.py --out docs/results/dtype_bench.json
+    .venv/bin/python bench/micro/dtype_bench.py --out docs/results/dtype_bench.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import options, write_json
+from harness.engine import DOC, best
+
 from kvsnap.engine import Engine, SamplingParams, load_model
 from kvsnap.policies import make_policy
-
-DOC = " ".join(f"Note {i}: the shipment for depot {i} left on time and arrived the next morning." for i in range(200))
-
-
-def best(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return min(times)
 
 
 def measure(model: str, dtype: str, tokens: int, reps: int) -> dict:
@@ -52,13 +46,7 @@ def measure(model: str, dtype: str, tokens: int, reps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="gemma3-270m,smollm2-135m")
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = options(__doc__, "tokens", "reps", "threads", "out", models="gemma3-270m,smollm2-135m").parse_args()
     torch.set_num_threads(args.threads)
     report = {"tokens": args.tokens, "threads": args.threads, "torch": torch.__version__, "models": {}}
     for model in args.models.split(","):
@@ -71,9 +59,7 @@ def main() -> None:
         }
         report["models"][model] = rows
         print(model, json.dumps(rows), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

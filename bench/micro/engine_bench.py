@@ -8,21 +8,20 @@ At --context tokens on the embedded model:
   3. a resumed turn (20 new tokens onto the compressed cache) vs re-prefilling the
      whole transcript, as a stateless server would           (target >= 20x faster)
 
-Usage: python bench/engine_bench.py [--context 4096] [--budget 512] [--reps 3] [--out PATH]
+Usage: python bench/micro/engine_bench.py [--context 4096] [--budget 512] [--reps 3] [--out PATH]
 Writes the JSON to --out (default bench/results/engine_bench.json, not committed) and prints a table.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import RESULTS, command_line, machine, options, write_json
 
 from kvsnap.engine import Engine, load_model
 from kvsnap.engine.cache import full_layer_indices
@@ -31,14 +30,8 @@ from kvsnap.tools.tasks import pass_key_prompt
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--window", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=20)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine_bench.json"))
+    ap = options(__doc__, "model", context=4096, budget=512, window=32, new_tokens=20, reps=3)
+    ap.add_argument("--out", default=str(RESULTS / "engine_bench.json"))
     args = ap.parse_args()
 
     engine = Engine(load_model(args.model), prefill_chunk=1024)
@@ -118,15 +111,13 @@ def main() -> None:
         "resume_speedup": med["reprefill_s"] / med["resume_s"],
     }
     result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
         "args": vars(args),
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}, device {engine.device}",
+        "machine": f"{machine()}, device {engine.device}",
         "reps": rows,
         "summary": summary,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
 
     print(
         f"\n{args.model}, {len(prompt)} prompt tokens, SnapKV budget {args.budget} window {args.window}, "

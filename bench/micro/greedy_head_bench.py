@@ -1,4 +1,4 @@
-"""The greedy head (engine/head.py) against the fp32 head, side by side in one run, on the engine
+"""The greedy head (engine/models/head.py) against the fp32 head, side by side in one run, on the engine
 alone: one decode step over B sessions, each holding a compressed --context-token document.
 
 Two engines share one loaded model: one with the greedy screen, one without (fp32 head for
@@ -8,36 +8,36 @@ their ratio are printed and written. Also per B: the screen's candidates per row
 tokens the float64 recompute had to look at). That both heads pick the same tokens is
 tests/test_head.py's and tests/test_batching.py's to show.
 
-Usage: python bench/head_bench.py [--model gemma3-270m] [--context 2048] [--batches 1,2,4,8,16]
+Usage: python bench/micro/greedy_head_bench.py [--model gemma3-270m] [--context 2048] [--batches 1,2,4,8,16]
        [--reps 7] [--out docs/results/head_bench.json]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import RESULTS, options, started, write_json
+
 from kvsnap.engine import Engine, load_model
-from kvsnap.engine.head import SCREEN_MIN_ROWS
+from kvsnap.engine.models.head import SCREEN_MIN_ROWS
 from kvsnap.tools.loadgen import document
+
+SCRIPT = "bench/micro/greedy_head_bench.py"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--batches", default="1,2,4,8,16")
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "head_bench.json"))
+    ap = options(__doc__, "model", context=2048, batches="1,2,4,8,16", reps=7, threads=2, whole_doc=True)
+    ap.add_argument("--out", default=str(RESULTS / "head_bench.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    began = started()
     batches = [int(b) for b in args.batches.split(",")]
     loaded = load_model(args.model)
     engines = {"screen": Engine(loaded, greedy_screen=True), "fp32": Engine(loaded, greedy_screen=False)}
@@ -86,13 +86,11 @@ def main() -> None:
         for name in ("screen", "fp32"):
             row[f"batch_gain_{name}"] = base[name] * row["batch"] / row[f"step_ms_{name}"]
     result = {
-        "command": "python bench/head_bench.py " + " ".join(f"--{k}={v}" for k, v in vars(args).items() if k != "out"),
-        "started": started,
+        "command": f"python {SCRIPT} " + " ".join(f"--{k}={v}" for k, v in vars(args).items() if k != "out"),
+        "started": began,
         "rows": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_json(args.out, result)
     header = f"{'B':>3} {'pass':>5} {'screen ms':>10} {'fp32 ms':>8} {'speedup':>8} {'gain s/f':>12}"
     print(header + f" {'cands med/max':>14}")
     for r in rows:

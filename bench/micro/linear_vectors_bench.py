@@ -1,4 +1,4 @@
-"""A decode step's products on AVX-512 BF16 vectors (engine/few_linear.py) against oneDNN's, side
+"""A decode step's products on AVX-512 BF16 vectors (cpu_kernels/linear_vectors.py) against oneDNN's, side
 by side in one run, on a CPU without AMX.
 
 In-process ``Engine``, bfloat16 (packed weights, fused kernels, attention kernels: what a
@@ -11,24 +11,28 @@ replica runs), both embedded models. Two cases, alternating --reps times (median
 Each gives: all of the model's projections at --sessions rows, as a decode step calls them
 (grouped where the layer groups them), the LM head's first pass at that many rows, and the mean
 decode step of --sessions full-KV sessions on short (--short tokens) and long (--tokens) caches.
-The two cases do not compute the same bits (tests/test_few_linear.py says what each keeps).
+The two cases do not compute the same bits (tests/test_linear_vectors.py says what each keeps).
 
-    .venv/bin/python bench/few_linear_bench.py --out docs/results/few_linear_bench.json
+    .venv/bin/python bench/micro/linear_vectors_bench.py --out docs/results/few_linear_bench.json
 """
 
 from __future__ import annotations
 
-import argparse
+import sys
+from pathlib import Path
 
 import torch
-from amx_linear_bench import alternating, report_models, timed_ms
-from decode_bench import sessions_on, step_ms
-from dtype_bench import DOC
-from step_bench import step_parser
 from torch import nn
 
-from kvsnap.engine import Engine, few_linear, load_model, packed
-from kvsnap.engine.cbuild import cpu_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.compare import ab_medians, decode_step_main
+from harness.engine import step_measures, timed_ms
+
+from kvsnap.cpu_kernels import linear_vectors
+from kvsnap.cpu_kernels.build import cpu_model
+from kvsnap.engine import Engine, load_model
+from kvsnap.engine.models import packed
 
 CASES = ("onednn", "few")
 
@@ -49,7 +53,7 @@ def product_calls(model: nn.Module) -> list:
     return calls
 
 
-def model_report(name: str, args: argparse.Namespace) -> dict:
+def model_report(name: str, args) -> dict:
     engine = Engine(load_model(name, dtype="bfloat16"), prefill_chunk=1024)
     weight = engine.head.weight_bf16
     heads = {"few": (engine.head.few, None), "onednn": (None, packed.pack(weight))}
@@ -63,29 +67,22 @@ def model_report(name: str, args: argparse.Namespace) -> dict:
             for call, k in calls:
                 call(rows[k])
 
-    doc = engine.encode(DOC)
     measures = {
         "projections_ms": lambda: timed_ms(projections),
         "head_first_pass_ms": lambda: timed_ms(lambda: engine.head._first_pass(hidden)),
     }
-    for label, length in (("short", args.short), ("long", args.tokens)):
-        sessions = sessions_on(engine, doc[:length], args.sessions)
-        measures[f"decode_step_ms_{label}_{length}"] = lambda s=sessions: step_ms(engine, s, args.steps)
+    measures |= step_measures(engine, args)
     projected = [m for m in engine.model.modules() if type(m) is nn.Linear and packed.uses_few(m)]
     result = {"projections": len(projected), "projection_mb": round(sum(m.weight.nbytes for m in projected) / 1e6, 1)}
     result["head_mb"] = round(weight.nbytes / 1e6, 1)
-    result |= alternating(measures, CASES, lambda case: use(case, engine, heads), args.reps)
+    result |= ab_medians(measures, CASES, lambda case: use(case, engine, heads), args.reps)
     use("few", engine, heads)
     return result
 
 
 def main() -> None:
-    args = step_parser(__doc__).parse_args()
-    torch.set_num_threads(args.threads)
-    if few_linear.kernel() is None:
-        raise SystemExit("no AVX-512 BF16 kernel here (no such instructions, or AMX: amx_linear_bench.py)")
-    report = {"cpu": cpu_model(), "sessions": args.sessions, "threads": args.threads, "reps": args.reps}
-    report_models(args, report, model_report)
+    why = "no AVX-512 BF16 kernel here (no such instructions, or AMX: linear_tiles_bench.py)"
+    decode_step_main(__doc__, model_report, needs=linear_vectors.available, why=why, indent=1, cpu=cpu_model())
 
 
 if __name__ == "__main__":

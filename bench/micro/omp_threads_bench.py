@@ -10,7 +10,7 @@ it times the mean decode step of 8 full-KV sessions on 64-token caches and one 2
 prefill, then 8 concurrent greedy turns of --tokens tokens each through the scheduler
 (continuous batching, as the service runs them): decode tokens/s.
 
-    .venv/bin/python bench/threads_bench.py --out docs/results/threads_bench.json
+    .venv/bin/python bench/micro/omp_threads_bench.py --out docs/results/threads_bench.json
 """
 
 from __future__ import annotations
@@ -23,13 +23,17 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import options, write_json
+
 
 def child(case: str, model: str, tokens: int) -> dict:
-    from decode_bench import prefill_s, sessions_on, step_ms
-    from dtype_bench import DOC
+    from harness.engine import DOC, prefill_s, sessions_on, step_ms
 
     from kvsnap.engine import Engine, SamplingParams, load_model
     from kvsnap.engine.scheduler import Scheduler
@@ -65,10 +69,7 @@ def child(case: str, model: str, tokens: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=2)
+    parser = options(__doc__, model="smollm2-135m", tokens=64, reps=2)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -88,9 +89,7 @@ def main() -> None:
         better = old / new if key.endswith(("_ms_8", "_s")) else new / old
         report[key] = {"old": round(old, 3), "new": round(new, 3), "new_better_by": round(better, 2)}
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

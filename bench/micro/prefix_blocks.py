@@ -17,18 +17,22 @@ In-process (``Engine``), both embedded models, in ``--dtype`` (bf16: the default
    how many of their answers equal those of the same chat prefilled alone, and how many of
    each hold the fact's value.
 
-    .venv/bin/python bench/prefix_blocks.py --out docs/results/prefix_blocks.json
+    .venv/bin/python bench/micro/prefix_blocks.py --out docs/results/prefix_blocks.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import options, write_json
 
 from kvsnap.engine import Engine, SamplingParams, load_model
 from kvsnap.engine.batch import Row
@@ -139,23 +143,17 @@ def measure(model: str, dtype: str, doc_tokens: int, blocks: list[int], later: i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = options(__doc__, "threads", "out", dtype="bfloat16", doc_tokens=2350, whole_doc=True)
     ap.add_argument("--models", default="smollm2-135m,gemma3-270m", type=lambda s: s.split(","))
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--doc-tokens", type=int, default=2350)
     ap.add_argument("--blocks", default="1024,64", type=lambda s: [int(c) for c in s.split(",")])
     ap.add_argument("--later", type=int, default=11, help="later chats per block size")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     result = {"args": {k: v for k, v in vars(args).items() if k != "out"}}
     for model in args.models:
         result[model] = measure(model, args.dtype, args.doc_tokens, args.blocks, args.later)
         print(model, json.dumps(result[model], indent=1), flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,19 +10,23 @@ the model's default settings) is rebuilt; reported: the streams' longest gap bet
 while the rebuild ran, the rebuild's own seconds, and the whole round's; medians over --rounds,
 and the ratios now / before. The rebuilt caches are checked equal to the lost one.
 
-Usage: python bench/replay_bench.py [--model smollm2-135m] [--out docs/results/replay_bench.json]
+Usage: python bench/micro/replay_bench.py [--model smollm2-135m] [--out docs/results/replay_bench.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import options, write_json
 
 from kvsnap.engine import Engine, SamplingParams, load_model
 from kvsnap.engine.defaults import default_settings
@@ -74,13 +78,7 @@ def one_round(engine: Engine, scheduler: Scheduler, lost, fresh, in_batch: bool,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--doc-tokens", type=int, default=2350)
-    ap.add_argument("--streams", type=int, default=3)
-    ap.add_argument("--decode-tokens", type=int, default=96)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = options(__doc__, model="smollm2-135m", doc_tokens=2350, streams=3, decode_tokens=96, rounds=4, threads=2)
     ap.add_argument("--out", default="docs/results/replay_bench.json")
     args = ap.parse_args()
     engine = Engine(load_model(args.model), prefill_chunk=1024)
@@ -99,7 +97,7 @@ def main() -> None:
     out = {"args": vars(args), "rebuilt_tokens": len(lost.transcript), "median": med,
            "ratio_in_batch_over_between": ratios, "rounds": runs}  # fmt: skip
     print(json.dumps({"median": med, "ratios": ratios}, indent=1))
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.out, out, indent=1)
 
 
 if __name__ == "__main__":

@@ -16,23 +16,27 @@ Per case (medians over its rounds): the later chats' TTFT p50 and mean, and the 
 chat's compression took (``Turn.settle``). Both cases give the same tokens
 (tests/test_prefix_rows.py), so no answers are compared.
 
-    .venv/bin/python bench/shared_rows_bench.py --out docs/results/shared_rows_bench.json
+    .venv/bin/python bench/micro/shared_rows_bench.py --out docs/results/shared_rows_bench.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-import torch
-from peer_bench import chats
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
 
-from kvsnap.engine import Engine, SamplingParams, load_model, prefix_rows
-from kvsnap.engine.cbuild import cpu_model
+from harness.cli import options, write_json
+from harness.engine import bf16_engine
+from peers.peer_bench import chats
+
+from kvsnap.cpu_kernels.build import cpu_model
+from kvsnap.engine import Engine, SamplingParams, prefix_rows
 from kvsnap.engine.defaults import default_settings
 from kvsnap.engine.scheduler import Scheduler
 from kvsnap.engine.turn import Turn
@@ -69,18 +73,11 @@ def one_round(engine: Engine, scheduler: Scheduler, args, seed: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = options(__doc__, docs=4, in_flight=4, doc_tokens=2350, max_tokens=16, threads=2, out=None)
     ap.add_argument("--rounds", type=int, default=6, help="rounds in all, the cases alternating")
-    ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--chats", type=int, default=28, help="later chats a round")
-    ap.add_argument("--in-flight", type=int, default=4)
-    ap.add_argument("--doc-tokens", type=int, default=2350)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    engine = Engine(load_model(MODEL, dtype="bfloat16"), prefill_chunk=1024, prefix_cache_bytes=1 << 30)
+    engine = bf16_engine(MODEL, args.threads, prefix_cache_bytes=1 << 30)
     scheduler = Scheduler(engine, threading.RLock(), max_batch=16)
     settles: dict[str, list[float]] = {case: [] for case in CASES}
     case = CASES[0]
@@ -118,9 +115,7 @@ def main() -> None:
     out = {"model": MODEL, "cpu": cpu_model(), "args": vars(args), "rounds": rounds, "cases": summary}
     out["refer_over_copy"] = ratios
     print(json.dumps({"cases": summary, "refer_over_copy": ratios}, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.out, out, indent=1)
 
 
 if __name__ == "__main__":

@@ -6,21 +6,20 @@
 2. Bringing a session back: promote host -> device (with checksum check) vs
    rebuild by re-prefilling its transcript.
 
-Usage: python bench/tiers_bench.py [--context 8192] [--budget 512] [--device-mib 256] [--reps 3] [--out PATH]
+Usage: python bench/micro/tiers_bench.py [--context 8192] [--budget 512] [--device-mib 256] [--reps 3] [--out PATH]
 Writes the JSON to --out (default bench/results/tiers_bench.json, not committed) and prints a summary.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import RESULTS, command_line, machine, options, write_json
 
 from kvsnap.engine import Engine, SamplingParams, load_model
 from kvsnap.engine.cache import export_kv
@@ -40,13 +39,8 @@ def resident(blob: KVBlob, budget: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--device-mib", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "tiers_bench.json"))
+    ap = options(__doc__, "model", context=8192, budget=512, device_mib=256, reps=3)
+    ap.add_argument("--out", default=str(RESULTS / "tiers_bench.json"))
     args = ap.parse_args()
 
     engine = Engine(load_model(args.model), prefill_chunk=1024)
@@ -88,19 +82,8 @@ def main() -> None:
         "rebuild_s": statistics.median(rebuild),
     }
     summary["promote_speedup"] = summary["rebuild_s"] / summary["promote_host_to_device_s"]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps(
-            {
-                "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                "args": vars(args),
-                "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-                "device": str(engine.device),
-                "summary": summary,
-            },
-            indent=2,
-        )
-    )
+    run = {"command": command_line(), "args": vars(args), "machine": machine(), "device": str(engine.device)}
+    write_json(args.out, run | {"summary": summary})
     print(
         f"\n{args.model}, {len(prompt)} prompt tokens, device tier {args.device_mib} MiB, SnapKV budget {args.budget}"
     )

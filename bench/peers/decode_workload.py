@@ -1,4 +1,4 @@
-"""The peer bench's ``decode`` workload (bench/peer_bench.py): short prompts generating at once,
+"""The peer bench's ``decode`` workload (bench/peers/peer_bench.py): short prompts generating at once,
 both servers up together and the rounds alternating between them, so that this machine's
 drifting speed falls on both alike."""
 
@@ -9,7 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from peer_servers import KEY, Server, alternate, start_pair
+from peers.servers import KEY, Server, alternate, start_pair
 
 
 def decode_phase(server: Server, model: str, count: int, tokens: int, first: int = 1) -> dict:

@@ -30,7 +30,7 @@ Per server and workload: wall time, turn-1 and follow-up TTFT (p50 / p90), prefi
 ratios are kvsnap / vLLM. vLLM runs from a virtualenv of its own (``make peer`` makes it:
 ``.vllm/``); ``--small`` is the test-sized run (2 chats, 2 turns, short documents).
 
-Usage: python bench/peer_bench.py [--model smollm2-135m] [--workloads fit,pressure,decode]
+Usage: python bench/peers/peer_bench.py [--model smollm2-135m] [--workloads fit,pressure,decode]
        [--out docs/results/peer_bench.json] [--small]
 """
 
@@ -40,16 +40,21 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from peer_decode import decode_alternating
-from peer_servers import KEY, Server, alternate, model_folder, start_kvsnap, start_pair, start_vllm
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness and this group
 
-from kvsnap.engine import cbuild
+from harness.cli import write_json
+
+from kvsnap.cpu_kernels import build
+from peers.decode_workload import decode_alternating
+from peers.figures import compare, prefilled_follow_ups, summarize
+from peers.servers import KEY, Server, alternate, model_folder, start_kvsnap, start_pair, start_vllm
 
 
 def chats(model: str, count: int, turns: int, doc_tokens: int, seed0: int) -> list[dict]:
@@ -174,41 +179,6 @@ def _prompt_tokens(model: str):
     return count
 
 
-def summarize(rows: list[dict], rounds_s: list[float]) -> dict:
-    def pct(xs, q):
-        return round(statistics.quantiles(xs, n=10)[q - 1], 3) if len(xs) > 1 else round(xs[0], 3)
-
-    first = [r["ttft_s"] for r in rows if r["turn"] == 1]
-    later = [r["ttft_s"] for r in rows if r["turn"] > 1]
-    round1 = sum(r["prompt_tokens"] for r in rows if r["turn"] == 1)
-    return {
-        "wall_s": round(sum(rounds_s), 2),
-        "turn1_ttft_p50_s": pct(first, 5),
-        "turn1_ttft_p90_s": pct(first, 9),
-        "follow_up_ttft_p50_s": pct(later, 5) if later else None,
-        "prefill_tok_s": round(round1 / rounds_s[0], 1),
-        **prefilled_follow_ups(rows),
-        "right": sum(r["right"] for r in rows),
-        "right_turn1": sum(r["right"] for r in rows if r["turn"] == 1),
-        "turns": len(rows),
-    }
-
-
-def prefilled_follow_ups(rows: list[dict]) -> dict:
-    """Follow-ups' prefilled tokens (the server's count) against what they add to their chat."""
-    later = [r for r in rows if r["turn"] > 1]
-    if not later:
-        return {}
-    return {
-        "follow_up_prefilled_p50": statistics.median(r["prefilled"] for r in later),
-        "follow_up_prefilled_max": max(r["prefilled"] for r in later),
-        "follow_up_new_tokens_p50": statistics.median(r["new_tokens"] for r in later),
-        "follow_ups_prefilling_more_than_new": sum(r["prefilled"] > r["new_tokens"] for r in later),
-        "follow_ups_rebuilt": sum(r["source"] == "rebuilt" for r in later),  # kvsnap: replayed the chat first
-        "follow_ups": len(later),
-    }
-
-
 def shared_phase(server: Server, model: str, args) -> dict:
     """The ``shared`` workload: first chats on each document, then the later ones, then follow-ups."""
     import openai
@@ -281,22 +251,6 @@ def shared_sequential(args, work: Path, folder: str) -> dict[str, dict]:
     return out
 
 
-RATIOS = ("wall_s", "turn1_ttft_p50_s", "follow_up_ttft_p50_s", "prefill_tok_s", "decode_tok_s", "right")
-RATIOS += ("first_ttft_p50_s", "later_ttft_p50_s")  # the shared workload's
-
-
-def compare(vllm: dict, ours: dict) -> dict:
-    """kvsnap / vLLM for every figure both have, and the share of equal answers."""
-    out = {}
-    for workload in vllm:
-        a, b = vllm[workload], ours[workload]
-        ratios = {k: round(b[k] / a[k], 3) for k in RATIOS if a.get(k) and b.get(k) is not None}
-        answers_a, answers_b = a.get("answers") or a.get("texts"), b.get("answers") or b.get("texts")
-        same = sum(x.strip() == y.strip() for x, y in zip(answers_a, answers_b, strict=True))
-        out[workload] = ratios | {"same_answers": same, "requests": len(answers_a)}
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -340,13 +294,11 @@ def main() -> None:
             else:
                 both = conversations_alternating(workload, args, work, folder)
                 vllm[workload], ours[workload] = both["vllm"], both["kvsnap"]
-    result = {"model": args.model, "folder": folder, "cpu": cbuild.cpu_model(), "when": time.strftime("%Y-%m-%d %H:%M"),
+    result = {"model": args.model, "folder": folder, "cpu": build.cpu_model(), "when": time.strftime("%Y-%m-%d %H:%M"),
               "args": {k: v for k, v in vars(args).items() if k != "out"},
               "vllm": vllm, "kvsnap": ours, "ratios_kvsnap_over_vllm": compare(vllm, ours)}  # fmt: skip
     print(json.dumps(result["ratios_kvsnap_over_vllm"], indent=1))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result, indent=1)
 
 
 if __name__ == "__main__":

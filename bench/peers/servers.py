@@ -1,4 +1,4 @@
-"""The two servers bench/peer_bench.py runs side by side: vLLM's CPU build from its own
+"""The two servers bench/peers/peer_bench.py runs side by side: vLLM's CPU build from its own
 virtualenv (``.vllm/``, ``make peer``) and ``kvsnap serve``, each in its own process group, up
 once ``/v1/models`` answers, both serving the folder kvsnap converts an embedded model into."""
 
@@ -16,7 +16,7 @@ import requests
 
 from kvsnap.ports import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".vllm" / "bin" / "python"
 KEY = "peer-bench-key"
 START_S = 900  # a cold start converts the model and (vLLM) compiles its kernels
@@ -63,15 +63,12 @@ class Server:
         and Redis, vLLM its engine): a SIGTERM to the whole group at once killed Ray's processes
         under kvsnap's shutdown and left Serve's haproxy running into the next workload. Then
         SIGKILL to whatever of its process group is left."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.proc.terminate()  # (nothing if it has exited)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=120)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the group: the server too if it is still up
+        self.proc.wait()
 
 
 def _auth() -> dict:

@@ -1,5 +1,5 @@
-"""Reliability suite, auth phases (bench/reliability.py runs every group; this one alone:
-``python bench/reliability_auth.py [--quick] [--phase NAME]``):
+"""Reliability suite, auth phases (bench/reliability/suite.py runs every group; this one alone:
+``python bench/reliability/auth.py [--quick] [--phase NAME]``):
 
 - auth:     every route and method without a key and with a wrong one: 401 / UNAUTHENTICATED
             (health exempt); admin routes with a tenant's key: 403, with the admin key and an
@@ -17,7 +17,10 @@ import tempfile
 from pathlib import Path
 
 import requests
-from reliability_common import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness and this group
+
+from reliability.common import (
     ADMIN_KEY,
     CLIENT_TIMEOUT_S,
     KEY_A,
@@ -27,17 +30,15 @@ from reliability_common import (
     Recorder,
     Sessions,
 )
-from reliability_runner import Phase, main
-from reliability_service import grpc_callable, grpc_code
-
-from kvsnap.service.auth import OPEN_PATHS  # after reliability_common (it sets the Ray environment)
+from reliability.local_service import grpc_callable, grpc_code
+from reliability.runner import Phase, main
 
 
 def phase_auth(client: Client, grpc_addr: str, redis_url: str, rec: Recorder) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from kvsnap.service.auth import ADMIN_PREFIX
+    from kvsnap.service.auth import ADMIN_PREFIX, OPEN_PATHS
     from kvsnap.service.grpc_stubs import pb2
     from kvsnap.store.directory import SessionDirectory
 

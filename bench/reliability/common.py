@@ -1,8 +1,8 @@
-"""What the reliability suite's phases share (bench/reliability.py runs every phase; each
-group also runs alone: bench/reliability_{auth,fuzzing,overload,faults}.py): the recorder of
+"""What the reliability suite's phases share (bench/reliability/suite.py runs every phase; each
+group also runs alone: bench/reliability/{auth,fuzzing,overload,faults}.py): the recorder of
 every request, the verified sessions (some opened from registered documents) and their
 uninterrupted twins. The service it starts and gRPC calls by descriptor are in
-bench/reliability_service.py; the runner is bench/reliability_runner.py.
+bench/reliability/local_service.py; the runner is bench/reliability/runner.py.
 """
 
 from __future__ import annotations

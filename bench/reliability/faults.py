@@ -1,5 +1,5 @@
-"""Reliability suite, fault phases (bench/reliability.py runs every group; this one alone:
-``python bench/reliability_faults.py [--quick] [--phase NAME]``):
+"""Reliability suite, fault phases (bench/reliability/suite.py runs every group; this one alone:
+``python bench/reliability/faults.py [--quick] [--phase NAME]``):
 
 - disconnect:  streamed turns cut after their first token: the session answers its next turn.
 - corrupt:     the disk tier's session files truncated or garbled: detected, rebuilt from the
@@ -23,7 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
-from reliability_common import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness and this group
+
+from reliability.common import (
     CLIENT_TIMEOUT_S,
     KEY_A,
     Client,
@@ -33,10 +36,8 @@ from reliability_common import (
     register_documents,
     verify_all,
 )
-from reliability_runner import Phase, Suite, main
-from reliability_service import running_replicas, worker_actor_names
-
-from kvsnap.service.app import wait_for_workers  # after reliability_common (it sets the Ray environment)
+from reliability.local_service import running_replicas, worker_actor_names
+from reliability.runner import Phase, Suite, main
 
 
 def phase_disconnect(client: Client, sessions: Sessions, rec: Recorder, n: int) -> None:
@@ -102,7 +103,9 @@ def phase_corrupt(client: Client, sessions: Sessions, data_dir: Path, redis_url:
 def phase_kill(
     client: Client, sessions: Sessions, every_s: float, duration_s: float, turns: int, rec: Recorder
 ) -> None:
-    import ray
+    import ray  # (reliability.common has set the Ray environment)
+
+    from kvsnap.service.app import wait_for_workers
 
     stop = threading.Event()
     kills = []

@@ -1,5 +1,5 @@
-"""Reliability suite, fuzzing phases (bench/reliability.py runs every group; this one alone:
-``python bench/reliability_fuzzing.py [--quick] [--phase NAME]``):
+"""Reliability suite, fuzzing phases (bench/reliability/suite.py runs every group; this one alone:
+``python bench/reliability/fuzzing.py [--quick] [--phase NAME]``):
 
 - fuzz_http:  schemathesis over the whole OpenAPI schema: no 5xx.
 - fuzz_grpc:  malformed bytes, truncated, oversized and hostile-valued messages to every
@@ -18,9 +18,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from reliability_common import CLIENT_TIMEOUT_S, FUZZ_SESSION, KEY_A, Client, Recorder
-from reliability_runner import Phase, main
-from reliability_service import grpc_callable, grpc_code
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness and this group
+
+from reliability.common import CLIENT_TIMEOUT_S, FUZZ_SESSION, KEY_A, Client, Recorder
+from reliability.local_service import grpc_callable, grpc_code
+from reliability.runner import Phase, main
 
 
 def phase_fuzz_http(client: Client, out_dir: Path, examples: int, rec: Recorder) -> None:

@@ -1,5 +1,5 @@
-"""Reliability suite, overload phase (bench/reliability.py runs every group; this one alone:
-``python bench/reliability_overload.py [--quick]``):
+"""Reliability suite, overload phase (bench/reliability/suite.py runs every group; this one alone:
+``python bench/reliability/overload.py [--quick]``):
 
 - overload:  twice the service's capacity in concurrent turns: excess answered 429 with
              Retry-After, accepted turns within their timeout, tiers within their budgets, no
@@ -13,10 +13,13 @@ import sys
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-from reliability_common import Client, Recorder, Sessions, one_turn
-from reliability_runner import Phase, main
-from reliability_service import worker_actor_names
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness and this group
+
+from reliability.common import Client, Recorder, Sessions, one_turn
+from reliability.local_service import worker_actor_names
+from reliability.runner import Phase, main
 
 
 def phase_overload(client: Client, sessions: Sessions, cfg, rec: Recorder) -> None:

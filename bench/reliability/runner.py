@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from reliability_common import (
+from reliability.common import (
     LONG,
     QUESTIONS_BEYOND_KILL,
     QUICK,
@@ -23,7 +23,7 @@ from reliability_common import (
     open_all,
     verify_all,
 )
-from reliability_service import start
+from reliability.local_service import start
 
 # -- running phases --------------------------------------------------------------------------------
 

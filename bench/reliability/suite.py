@@ -15,10 +15,10 @@ Phases, in order, by group (each group's module describes its phases and runs al
 
 | group    | module                        | phases                           |
 |----------|-------------------------------|----------------------------------|
-| auth     | bench/reliability_auth.py     | auth, tenants, logs              |
-| fuzzing  | bench/reliability_fuzzing.py  | fuzz_http, fuzz_grpc             |
-| overload | bench/reliability_overload.py | overload                         |
-| faults   | bench/reliability_faults.py   | disconnect, corrupt, kill, redis |
+| auth     | bench/reliability/auth.py     | auth, tenants, logs              |
+| fuzzing  | bench/reliability/fuzzing.py  | fuzz_http, fuzz_grpc             |
+| overload | bench/reliability/overload.py | overload                         |
+| faults   | bench/reliability/faults.py   | disconnect, corrupt, kill, redis |
 
 The order: auth, tenants, fuzz_http, fuzz_grpc, disconnect, overload, corrupt, kill, redis,
 then, with the service stopped, logs. In short: keys and tenants are enforced on every route,
@@ -29,27 +29,22 @@ Prints a table, writes reliability.json into --out, exits 1 when any check faile
 ``--quick`` is the bounded version the tests run (a few minutes); the default is the long one.
 ``--phase NAME`` (repeatable) runs only those phases, in this order, with the sessions opened
 before the first that needs them and verified at the end; a group's module runs its phases
-the same way. The plumbing is bench/reliability_common.py, the runner reliability_runner.py.
+the same way. The plumbing is bench/reliability/common.py, the runner bench/reliability/runner.py.
 
-Usage: python bench/reliability.py [--quick] [--out DIR] [--phase NAME ...]
+Usage: python bench/reliability/suite.py [--quick] [--out DIR] [--phase NAME ...]
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-import reliability_auth
-import reliability_faults
-import reliability_fuzzing
-import reliability_overload
-from reliability_runner import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness and this group
 
-PHASES = [
-    *reliability_auth.PHASES,
-    *reliability_fuzzing.PHASES,
-    *reliability_overload.PHASES,
-    *reliability_faults.PHASES,
-]
+from reliability import auth, faults, fuzzing, overload
+from reliability.runner import main
+
+PHASES = [*auth.PHASES, *fuzzing.PHASES, *overload.PHASES, *faults.PHASES]
 
 if __name__ == "__main__":
     sys.exit(main(PHASES, description=__doc__))

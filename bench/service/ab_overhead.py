@@ -1,20 +1,18 @@
 """Service overhead of this tree against another commit, side by side in one run.
 
 Builds the other commit in a git worktree with a virtualenv of its own (``make install``
-there), then runs ``bench/service_bench.py``'s overhead phase (a 4-token turn on a held
-session: in-process, HTTP and gRPC, median of --reps, on kvsnap serve's data path) from each
-tree in turn, alternating which goes first, for --rounds rounds. Each phase runs in its own
-child process with its own local Ray, embedded Redis and Serve app. The result is the median
-over rounds of each tree's added milliseconds (HTTP, gRPC) and their difference.
+there), then runs ``bench/service/overhead_bench.py``'s overhead phase (a 4-token turn on a held
+session: in-process, HTTP and gRPC, median of --reps, on kvsnap serve's data path; in a tree
+from before bench/ had groups, ``bench/service_bench.py``'s) from each tree in turn,
+alternating which goes first, for --rounds rounds. Each phase runs in its own child process
+with its own local Ray, embedded Redis and Serve app. The result is the median over rounds of
+each tree's added milliseconds (HTTP, gRPC) and their difference.
 
-Usage: python bench/ab_service.py --base <commit> [--rounds 3] [--reps 30] [--out FILE]
+Usage: python bench/service/ab_overhead.py --base <commit> [--rounds 3] [--reps 30] [--out FILE]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -22,9 +20,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvsnap.service.config import ray_environment
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness.cli import RESULTS, ROOT, options, write_json
+from harness.service import run_phase_process  # (it sets kvsnap serve's data path for both trees' children)
+
+# the overhead phase's script in a tree: where it is now, where it was before bench/ had groups
+OVERHEAD_SCRIPTS = ("bench/service/overhead_bench.py", "bench/service_bench.py")
 
 
 def build(base: str, where: Path) -> Path:
@@ -36,22 +38,15 @@ def build(base: str, where: Path) -> Path:
 
 def overhead(python: Path, tree: Path, reps: int) -> dict:
     """One run of the tree's overhead phase (its own child process, Ray and Serve app)."""
-    cmd = [str(python), str(tree / "bench" / "service_bench.py"), "--phase", "overhead", f"--reps={reps}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=tree, env=dict(os.environ))
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:
-        raise SystemExit(f"{tree}: overhead phase failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(line[len("RESULT ") :])
+    script = next(tree / path for path in OVERHEAD_SCRIPTS if (tree / path).exists())
+    return run_phase_process(script, "overhead", [f"--reps={reps}"], 1800, python=python, cwd=tree)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = options(__doc__, rounds=3, reps=30, whole_doc=True)
     ap.add_argument("--base", required=True, help="the commit to compare against (e.g. main before a change)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "ab_service.json"))
+    ap.add_argument("--out", default=str(RESULTS / "ab_service.json"))
     args = ap.parse_args()
-    ray_environment()  # kvsnap serve's data path, for both trees' children
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     base = subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.base], capture_output=True, text=True, check=True)
     scratch = Path(tempfile.mkdtemp(prefix="kvsnap-ab-"))
@@ -77,8 +72,7 @@ def main() -> None:
     }
     summary["head_minus_base_ms"] = {k: summary["head"][k] - summary["base"][k] for k in summary["head"]}
     report = {"args": vars(args), "base": base.stdout.strip(), "head": head, "summary": summary, "runs": runs}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    write_json(args.out, report)
     print(f"median of {args.rounds} rounds (added to in-process, tiny-llama, 4-token turn):")
     for name in ("base", "head"):
         s = summary[name]

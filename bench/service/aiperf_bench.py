@@ -19,7 +19,7 @@ the service replayed to go back to an earlier point (its ``kvsnap_replayed_token
 per follow-up. aiperf runs from its
 own virtualenv (``make aiperf`` makes ``.aiperf/``; it brings its own transformers).
 
-Usage: python bench/aiperf_bench.py [--model gemma3-270m] [--context 2048] [--out DIR]
+Usage: python bench/service/aiperf_bench.py [--model gemma3-270m] [--context 2048] [--out DIR]
 (one local service for all four cases: 1 replica with 2 CPUs, the embedded model).
 """
 
@@ -33,7 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 AIPERF = Path(os.environ.get("KVSNAP_AIPERF", ROOT / ".aiperf" / "bin" / "aiperf"))
 CASES = ("chat-header", "chat-none", "completions-header", "completions-none")
 # aiperf's template endpoint: the conversation's context, then every turn so far (questions and the
@@ -186,8 +186,8 @@ def main() -> None:
     args = ap.parse_args()
     if not AIPERF.exists():
         raise SystemExit(f"aiperf not found at {AIPERF}: run `make aiperf` (or set KVSNAP_AIPERF)")
-    sys.path.insert(0, str(Path(__file__).parent))
-    from harness import emit, in_own_ray, run_phase_process
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness (tests import this file)
+    from harness.service import emit, in_own_ray, run_phase_process
 
     from kvsnap.engine.models import EMBEDDED
 

@@ -11,20 +11,23 @@ streamed over gRPC. Per level: aggregate decode tokens/s (tokens generated
 by all sessions / wall time of the level), follow-up turns/s, p50 / p99 time to first token and
 inter-token latency (per token, at the client). The ratios on/off are computed from one run.
 
-Usage: python bench/batch_bench.py [--levels 1,2,4,8,16] [--context 2048] [--max-tokens 64]
+Usage: python bench/service/batching_bench.py [--levels 1,2,4,8,16] [--context 2048] [--max-tokens 64]
        [--rounds 2] [--max-batch 16] [--out bench/results/batch_bench.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import threading
 import time
 import uuid
 from pathlib import Path
 
-from harness import KEY, emit, in_own_ray, run_phase_process
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import RESULTS, commit, options, started, write_json
+from harness.service import KEY, emit, in_own_ray, run_phase_process
 
 # raw turns of exactly --max-tokens tokens each (no stop at the end-of-sequence token)
 QUESTIONS = [
@@ -145,28 +148,13 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _commit() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-    except OSError:
-        return ""
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--levels", default="1,2,4,8,16")
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--max-batch", type=int, default=16)
+    ap = options(
+        __doc__, "model", levels="1,2,4,8,16", context=2048, max_tokens=64, rounds=2, max_batch=16, whole_doc=True
+    )
     ap.add_argument("--cpus", type=int, default=2, help="CPUs of the one worker replica (torch threads)")
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # the child process
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch_bench.json"))
+    ap.add_argument("--out", default=str(RESULTS / "batch_bench.json"))
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     if args.phase:
@@ -187,16 +175,14 @@ def main() -> None:
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("phase", "out")]
     result = {
         "args": vars(args),
-        "command": "python bench/batch_bench.py " + " ".join(argv),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "commit": _commit(),
+        "command": "python bench/service/batching_bench.py " + " ".join(argv),
+        "started": started(),
+        "commit": commit(),
     }
     for mode in ("on", "off"):
         result[mode] = run_phase_process(__file__, mode, argv, timeout_s=7200)
     result["ratios"] = ratios(result["on"], result["off"])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_json(args.out, result)
     plot(result, out.with_suffix(".png"))
     print_table(result)
     print(f"\nwrote {out} and {out.with_suffix('.png')}")

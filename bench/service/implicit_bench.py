@@ -8,19 +8,22 @@ with text), the tokens prefilled come from the answer's ``usage.prompt_tokens``.
 runs in a child process with its own local Ray, embedded Redis and Serve app (1 replica of
 the embedded Gemma 3 270M, or --model).
 
-Usage: python bench/implicit_bench.py [--context 2048] [--turns 4] [--rounds 2] [--out FILE]
+Usage: python bench/service/implicit_bench.py [--context 2048] [--turns 4] [--rounds 2] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 import uuid
 from pathlib import Path
 
-from harness import KEY, emit, in_own_ray, run_phase_process
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import RESULTS, options, write_json
+from harness.service import KEY, emit, in_own_ray, run_phase_process
 
 QUESTIONS = ["What is the pass key?", "Say it once more.", "What colour is the sky in the text?", "And the grass?"]
 
@@ -90,13 +93,9 @@ def summarize(rows: list[dict], turns: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap = options(__doc__, "model", context=2048, turns=4, rounds=2, whole_doc=True)
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # the child process
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "implicit_bench.json"))
+    ap.add_argument("--out", default=str(RESULTS / "implicit_bench.json"))
     args = ap.parse_args()
     if args.phase:
         service = dict(model=args.model, replicas=1, cpus_per_replica=2, max_new_tokens=64)
@@ -105,8 +104,7 @@ def main() -> None:
     argv = [f"--model={args.model}", f"--context={args.context}", f"--turns={args.turns}", f"--rounds={args.rounds}"]
     result = run_phase_process(__file__, "converse", argv)
     summary = summarize(result["rows"], args.turns)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary, **result}, indent=2))
+    write_json(args.out, {"args": vars(args), "summary": summary, **result})
     print(f"{args.model}, ~{args.context}-token documents, {args.turns} turns, median of {args.rounds} rounds:")
     print(f"{'turn':>4} {'TTFT header':>12} {'TTFT implicit':>14} {'ratio':>6} {'prefilled header/implicit':>26}")
     for t in range(1, args.turns + 1):

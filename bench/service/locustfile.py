@@ -9,7 +9,7 @@ follow-up questions on it (the RAG pattern). Settings come from the environment:
     KVSNAP_LOAD_POLICY    session policy (default: the service's)
 
     pip install locust
-    KVSNAP_API_KEY=... locust -f bench/locustfile.py --host http://127.0.0.1:8000 \\
+    KVSNAP_API_KEY=... locust -f bench/service/locustfile.py --host http://127.0.0.1:8000 \\
         --headless -u 8 -r 2 -t 2m
 
 A turn's name in the statistics is ``turn``; a document upload is ``open``. ``kvsnap load``

@@ -5,16 +5,16 @@ The same small turn on a held session in-process, over HTTP and over gRPC (media
 The service runs in a child process's own local Ray, embedded Redis and Serve app, once
 with the data path `kvsnap serve` uses (Ray Serve's HAProxy ingress and throughput-optimized
 mode, ``FAST_PATH_ENV``) and once with Serve's standard Python proxy, for comparison.
-Routing, resume and concurrency gains are measured by bench/suite.py.
+Routing, resume and concurrency gains are measured by bench/service/suite.py.
 
-Usage: python bench/service_bench.py [--overhead-model tiny-llama] [--reps 30]
+Usage: python bench/service/overhead_bench.py [--overhead-model tiny-llama] [--reps 30]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +22,11 @@ import grpc
 import requests
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from harness import HEADERS, KEY, emit, in_own_ray, run_phase_process
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import RESULTS, options, write_json
+from harness.service import HEADERS, KEY, emit, in_own_ray, run_phase_process
 
 from kvsnap.engine import Engine, SamplingParams, load_model
 from kvsnap.service.config import FAST_PATH_ENV
@@ -82,11 +86,9 @@ def overhead(cfg, model: str, reps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--overhead-model", default="tiny-llama")
-    ap.add_argument("--reps", type=int, default=20)
+    ap = options(__doc__, overhead_model="tiny-llama", reps=20)
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # the child process
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "service_bench.json"))
+    ap.add_argument("--out", default=str(RESULTS / "service_bench.json"))
     args = ap.parse_args()
     if args.phase:
         emit(in_own_ray(overhead, args.overhead_model, args.reps, model=args.overhead_model))
@@ -96,8 +98,7 @@ def main() -> None:
         "fast": run_phase_process(__file__, "overhead", argv),
         "standard": run_phase_process(__file__, "overhead", argv, env=dict.fromkeys(FAST_PATH_ENV, "0")),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "overhead": paths}, indent=2))
+    write_json(args.out, {"args": vars(args), "overhead": paths})
     print(f"service overhead ({args.overhead_model}, 4-token turn, median of {args.reps}; added to in-process):")
     for name, o in paths.items():
         label = "kvsnap serve's data path (HAProxy, throughput-optimized)" if name == "fast" else "standard Serve proxy"

@@ -1,5 +1,5 @@
 """``kvsnap eval`` through a running service, in one command: a fresh local service on the model's
-own defaults (bench/harness.py: its own Ray, embedded Redis and Serve app, 2 worker replicas),
+own defaults (bench/harness/service.py: its own Ray, embedded Redis and Serve app, 2 worker replicas),
 then ``kvsnap eval --url`` against it with the arguments given, then the service stopped.
 
 What the issue of the fact-retrieval defaults asks besides the in-process sweep: multi-key
@@ -7,7 +7,7 @@ retrieval through the service's ``/v1/completions`` (``x-session-id``), the old 
 against the new. The eval names a policy by spec (``default`` = the model's defaults), so each
 session's settings are spelled out; the service's own defaults answer whatever a spec leaves out.
 
-Usage: python bench/service_eval.py --model gemma3-270m -- --tasks multikey --lengths 2048,4096 \\
+Usage: python bench/service/service_eval.py --model gemma3-270m -- --tasks multikey --lengths 2048,4096 \\
            --policies full,reselect:512/s,default --out docs/results/multikey-service-gemma3-270m
 """
 
@@ -19,7 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import KEY, in_own_ray
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.service import KEY, in_own_ray
 
 from kvsnap.service.config import PolicyDefaults
 

@@ -15,7 +15,7 @@ Phases (each in its own process with its own local Ray, embedded Redis and Serve
 Prints a table per phase, writes suite.json + suite.png (and quality.json + quality.png)
 into --out. ``--small`` is the minutes-long version that the tests run.
 
-Usage: python bench/suite.py [--small] [--phases resume,concurrency,routing,quality] [--out DIR]
+Usage: python bench/service/suite.py [--small] [--phases resume,concurrency,routing,quality] [--out DIR]
 """
 
 from __future__ import annotations
@@ -29,38 +29,32 @@ import uuid
 from pathlib import Path
 
 import requests
-from harness import HEADERS, KEY, emit, in_own_ray, run_phase_process
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness
+
+from harness.cli import ROOT
+from harness.service import HEADERS, KEY, emit, in_own_ray, run_phase_process
 
 from kvsnap.engine.models import tokenizer_for
 from kvsnap.tools import loadgen
 
 PHASES = ("resume", "concurrency", "routing", "quality")
-SMALL = dict(
-    model="tiny-llama",
-    lengths="512,1024,2048",
-    reps=3,
-    context=1024,
-    budget=128,
-    device_mib=2,
-    max_sessions=40,
-    users=6,
-    routing_context=1024,
-    routing_replicas=2,
-    turns=2,
-)
-FULL = dict(
-    model="gemma3-270m",
-    lengths="1024,2048,4096,8192,16384",
-    reps=3,
-    context=4096,
-    budget=512,
-    device_mib=160,
-    max_sessions=24,
-    users=16,
-    routing_context=2048,
-    routing_replicas=2,
-    turns=3,
-)
+# each option's value in the full run and with --small (the minutes-long one)
+SIZES = {
+    "model": ("gemma3-270m", "tiny-llama"),
+    "lengths": ("1024,2048,4096,8192,16384", "512,1024,2048"),
+    "reps": (3, 3),
+    "context": (4096, 1024),
+    "budget": (512, 128),
+    "device_mib": (160, 2),
+    "max_sessions": (24, 40),
+    "users": (16, 6),
+    "routing_context": (2048, 1024),
+    "routing_replicas": (2, 2),
+    "turns": (3, 2),
+}
+FULL = {name: full for name, (full, _) in SIZES.items()}
+SMALL = {name: small for name, (_, small) in SIZES.items()}
 
 
 # -- resume gain ------------------------------------------------------------------------------
@@ -177,49 +171,23 @@ def routing_phase(cfg, model: str, users: int, context: int, turns: int) -> dict
 def child(args) -> dict:
     """One phase in this process (``--phase``)."""
     name, _, variant = args.phase.partition(":")
+    one_replica = dict(model=args.model, replicas=1, cpus_per_replica=2)
     if name == "resume":
         lengths = [int(x) for x in args.lengths.split(",")]
-        return in_own_ray(
-            resume_phase,
-            args.model,
-            lengths,
-            args.reps,
-            args.budget,
-            model=args.model,
-            replicas=1,
-            cpus_per_replica=2,
-            max_prompt_tokens=4 * max(lengths),  # the stateless baseline sends whole transcripts
-        )
+        phase = (resume_phase, args.model, lengths, args.reps, args.budget)
+        # the stateless baseline sends whole transcripts
+        return in_own_ray(*phase, **one_replica, max_prompt_tokens=4 * max(lengths))
     if name == "concurrency":
         settings = {"policy": "full"} if variant == "full" else {"policy": "snapkv", "budget": args.budget}
         # kivi2: SnapKV's rows 2-bit quantized in the device tier too (KIVI; lossy)
         quant = dict(kv_quant="kivi2", kv_quant_device=True) if variant == "kivi2" else {}
-        return in_own_ray(
-            concurrency_phase,
-            args.model,
-            args.context,
-            settings,
-            args.max_sessions,
-            args.turns,
-            model=args.model,
-            replicas=1,
-            cpus_per_replica=2,
-            device_tier_mib=args.device_mib,
-            host_tier_mib=4096,
-            **quant,
-        )
+        tiers = dict(device_tier_mib=args.device_mib, host_tier_mib=4096)
+        phase = (concurrency_phase, args.model, args.context, settings, args.max_sessions, args.turns)
+        return in_own_ray(*phase, **one_replica, **tiers, **quant)
     if name == "routing":
-        return in_own_ray(
-            routing_phase,
-            args.model,
-            args.users,
-            args.routing_context,
-            args.turns,
-            model=args.model,
-            routing=variant,
-            replicas=args.routing_replicas,
-            cpus_per_replica=min(1.0, 2 / args.routing_replicas),  # the local Ray has 2 CPUs
-        )
+        phase = (routing_phase, args.model, args.users, args.routing_context, args.turns)
+        replicas = dict(replicas=args.routing_replicas, cpus_per_replica=min(1.0, 2 / args.routing_replicas))
+        return in_own_ray(*phase, model=args.model, routing=variant, **replicas)  # the local Ray has 2 CPUs
     raise SystemExit(f"unknown phase {args.phase}")
 
 
@@ -302,9 +270,10 @@ def main() -> None:
     for name, value in FULL.items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
     ap.add_argument("--quality-args", default="", help="extra `kvsnap eval` arguments")
+    ap.add_argument("--quality-model", default="gemma3-270m", help="the quality phase's model (in-process)")
     ap.add_argument("--kivi", action="store_true", help="concurrency: also SnapKV with a kivi2-quantized device tier")
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # a child process
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
     args = ap.parse_args()
     for name, value in (SMALL if args.small else FULL).items():
         if getattr(args, name) is None:
@@ -344,7 +313,7 @@ def main() -> None:
     if "quality" in phases:
         from kvsnap.tools.cli import main as kvsnap
 
-        quality_argv = ["eval", "--out", str(out_dir), *args.quality_args.split()]
+        quality_argv = ["eval", "--model", args.quality_model, "--out", str(out_dir), *args.quality_args.split()]
         if args.small:
             quality_argv.append("--quick")
         if kvsnap(quality_argv) != 0:

@@ -40,7 +40,7 @@ from . import packed
 log = logging.getLogger(__name__)
 
 SCREEN_MIN_WEIGHTS = 1 << 22  # a smaller head costs too little for a screen to pay
-SCREEN_MIN_ROWS = 6  # fewer greedy rows: the first pass is fp32 (as fast there: bench/head_bench.py)
+SCREEN_MIN_ROWS = 6  # fewer greedy rows: the first pass is fp32 (as fast there: bench/micro/greedy_head_bench.py)
 EXACT_CHUNK = 4096  # candidates recomputed in float64 at a time (a few MiB of gathered rows)
 _U = 2.0**-8  # bfloat16's unit roundoff
 _FP32 = 2.0**-24 / (1 - 2.0**-24)  # fp32 rounding, relative: per accumulated term, and of the output
