@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile $(wildcard cpu_kernels/csrc/*.c cpu_kernels/cs
 run: $(STAMP)  ## the service: local Ray, embedded Redis, embedded SmolLM2-135M-Instruct; Ctrl-C stops it
 	$(BIN)/kvsnap serve $(ARGS)
 
-test: $(STAMP) $(AIPERF) $(VLLM)  ## the whole test suite, as CI runs it (tests/test_peer.py runs vLLM)
+test: $(STAMP) $(AIPERF) $(VLLM)  ## the whole test suite, as CI runs it (tests/bench/test_peer_bench.py runs vLLM)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 aiperf: $(AIPERF)  ## aiperf, a third-party load tool, in a virtualenv of its own (its own transformers)

@@ -9,7 +9,7 @@ Serve starts replacements elsewhere, and (2) finds the kvsnap worker replicas on
 Ray's actor table and asks kvsnap to move their sessions to surviving replicas before the
 deadline (``POST /v1/admin/workers/<id>/drain`` with an admin key: their KV is handed over
 through Redis). The metadata endpoint is configurable, so tests point it at a local fake
-(tests/test_multinode.py runs the whole path on a local multi-node Ray cluster).
+(tests/cluster/test_multinode.py runs the whole path on a local multi-node Ray cluster).
 """
 
 from __future__ import annotations

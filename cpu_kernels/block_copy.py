@@ -15,7 +15,7 @@ OpenMP threads (cpu_kernels/build.py):
 - :func:`gather_rows`: the rows a compression keeps of a session whose first rows are still a
   shared prefix's (engine/prefix_rows.py): from the blocks and the session's buffer at once.
 
-All are plain copies: the rows are bit-equal to torch's (tests/test_fill_prefix.py). C source:
+All are plain copies: the rows are bit-equal to torch's (tests/cpu_kernels/test_block_copy.py). C source:
 cpu_kernels/csrc/block_copy.c, in every variant; where none runs (:func:`available` False) torch copies.
 """
 

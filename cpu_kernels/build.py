@@ -61,7 +61,8 @@ VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # float32 rounding order (each kernel's docstring says which roundings it keeps). It is for
 # compiling only: linked with it, gcc before 13 adds a start-up file that turns on flush-to-zero
 # for the whole process (float32 denormals would become 0 in every torch operator).
-FLAGS = ("-O3", "-ffast-math", "-fPIC", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter", "-std=gnu11")
+FLAGS = ("-O3", "-ffast-math", "-fPIC", "-Wall", "-Wextra", "-Wno-unused-parameter", "-std=gnu11")
+STRICT_FLAGS = ("-Werror",)  # tests, lint and the install: a warning is an error; a service only logs it
 PARALLEL = ("-fopenmp", "-fopenmp-simd")  # the first that builds: OpenMP threads, or one thread
 _override: list[str | None] = []  # use(): the variant a test or benchmark asks for
 
@@ -95,8 +96,9 @@ def _cpuinfo_line(starts: tuple[str, ...]) -> str:
     return next((line for line in _cpuinfo().splitlines() if line.startswith(starts)), "")
 
 
-def cpu_flags() -> set[str]:
-    return set(_cpuinfo_line(("flags", "Features")).partition(":")[2].split())
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo_line(("flags", "Features")).partition(":")[2].split())
 
 
 def cpu_model() -> str:
@@ -104,6 +106,7 @@ def cpu_model() -> str:
     return _cpuinfo_line(("model name",)).partition(":")[2].strip() or platform.processor()
 
 
+@functools.cache
 def runs_here(variant: str) -> bool:
     """Whether this CPU has every instruction set ``variant`` is compiled for."""
     return variant in buildable() and set(VARIANTS[variant][1]) <= cpu_flags()
@@ -113,32 +116,64 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+def _flags(variant: str) -> list[str]:
+    return [*FLAGS, *(STRICT_FLAGS if strict() else ()), *VARIANTS[variant][0]]
+
+
 def _sources() -> list[Path]:
     return sorted(CSRC.glob("*.c"))
 
 
+def _root() -> Path:
+    return Path(os.environ.get("KVSNAP_KERNEL_DIR", Path.home() / ".cache" / "kvsnap" / "kernels"))
+
+
+def _digest(parts: list[bytes]) -> str:
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
+
+
 def target(variant: str, cc: str) -> Path:
-    """Where ``variant``'s library is cached: named by a digest of what makes its bits."""
+    """Where ``variant``'s library is cached: named by digests of the sources and flags, then of
+    the compiler (a machine without one still finds a library built ahead of time)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    parts = [p.read_bytes() for p in sorted(CSRC.glob("*.[ch]"))]
-    text = b"".join(parts) + " ".join((*VARIANTS[variant][0], *FLAGS, cc, *version)).encode()
-    root = Path(os.environ.get("KVSNAP_KERNEL_DIR", Path.home() / ".cache" / "kvsnap" / "kernels"))
-    return root / f"libkvsnap_{variant}_{hashlib.sha256(text).hexdigest()[:16]}.so"
+    return _root() / f"{_prefix(variant)}{_digest([cc.encode(), *(v.encode() for v in version)])}.so"
+
+
+def _prefix(variant: str) -> str:
+    sources = [p.read_bytes() for p in sorted(CSRC.glob("*.[ch]"))]
+    flags = " ".join((*FLAGS, *VARIANTS[variant][0]))  # -Werror or not: the same code
+    return f"libkvsnap_{variant}_{_digest([*sources, flags.encode()])}_"
+
+
+def _prebuilt(variant: str) -> Path | None:
+    """A library of these sources and flags built ahead of time by any compiler, the newest."""
+    found = sorted(_root().glob(f"{_prefix(variant)}*.so"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+@functools.cache
+def _no_compiler() -> None:
+    log.warning("no C compiler (cc or CC) and no kernels built ahead of time: torch's operators run")
 
 
 @functools.cache
 def compiled(variant: str) -> Path | None:
-    """``variant``'s library, compiled once per machine (cached), or None: no compiler, or it did
-    not compile (an error in the log; raised with :func:`strict`)."""
+    """``variant``'s library, compiled once per machine (cached), or None: no compiler and none
+    built ahead of time, or it did not compile (an error in the log; raised with :func:`strict`)."""
     cc = compiler()
     if cc is None:
-        log.warning("no C compiler (cc or CC): the kernels run as torch's operators")
-        return None
+        path = _prebuilt(variant)
+        if path is None:
+            _no_compiler()
+        return path
     path = target(variant, cc)
     if path.exists():
         return path
     started = time.perf_counter()
-    error = _compile(cc, variant, path)
+    try:
+        error = _compile(cc, variant, path)
+    except OSError as exc:  # an unwritable cache folder
+        error = f"{type(exc).__name__}: {exc}"
     if error is None:
         log.info("kernels: compiled variant %s in %.1f s (%s)", variant, time.perf_counter() - started, path.name)
         return path
@@ -152,8 +187,9 @@ def _compile(cc: str, variant: str, path: Path) -> str | None:
     """Compile every source with ``variant``'s flags and link them into ``path``; the error or None."""
     path.parent.mkdir(parents=True, exist_ok=True)
     parallel = _parallel(cc)
+    quiet = ["-Wno-unknown-pragmas"] if parallel != PARALLEL[0] else []  # OpenMP's pragmas, without OpenMP
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        flags = [*FLAGS, *VARIANTS[variant][0], parallel, f"-I{CSRC}"]
+        flags = [*_flags(variant), parallel, *quiet, f"-I{CSRC}"]
         objects = [Path(tmp) / f"{src.stem}.o" for src in _sources()]
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             error = "".join(pool.map(lambda s, o: _run([cc, *flags, "-c", str(s), "-o", str(o)]), _sources(), objects))
@@ -192,7 +228,13 @@ def _load(variant: str) -> ctypes.CDLL | None:
     path = compiled(variant)
     if path is None:
         return None
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:  # a cache on a noexec mount, a symbol this libc lacks
+        if strict():
+            raise KernelBuildError(f"the {variant} kernels do not load: {exc}") from exc
+        log.error("the %s kernels do not load (%s): another variant or torch's operators run", variant, exc)
+        return None
     if variant == "amx" and lib.kvsnap_amx_init() != 0:
         log.warning("Linux refused the AMX tile state: the amx kernels cannot run")
         return None
@@ -215,7 +257,10 @@ def _best() -> str | None:
     if named:
         if named not in VARIANTS:
             raise ValueError(f"KVSNAP_KERNEL_VARIANT={named!r}: valid variants are {', '.join(VARIANTS)}")
-        return named if runs_here(named) and _load(named) is not None else None
+        if runs_here(named) and _load(named) is not None:
+            return named
+        log.warning("KVSNAP_KERNEL_VARIANT=%s cannot run here: torch's operators run", named)
+        return None
     return next((v for v in buildable() if runs_here(v) and _load(v) is not None), None)
 
 
@@ -245,19 +290,30 @@ def use(variant: str | None):
 
 
 def function(name: str, restype, argtypes: list, variant: str | None = None):
-    """The C function ``name`` of ``variant``'s library with its ctypes signature, or None where
-    that library does not exist or was compiled without it (the function needs other ISAs)."""
-    lib = library(variant)
-    fn = getattr(lib, name, None) if lib is not None else None
-    if fn is not None and fn.argtypes is None:
-        fn.restype, fn.argtypes = restype, argtypes
-    return fn
+    """The C function ``name`` of ``variant``'s library (default :func:`chosen`) with its ctypes
+    signature, or None where that library does not exist or was compiled without it (the function
+    needs other instructions). Resolved once per variant: a kernel call costs a dict lookup."""
+    variant = variant or chosen()
+    if variant is None or not enabled():
+        return None
+    key = (name, variant)
+    if key not in _functions:
+        lib = library(variant)
+        fn = getattr(lib, name, None) if lib is not None else None
+        if fn is not None:
+            fn.restype, fn.argtypes = restype, argtypes
+        _functions[key] = fn
+    return _functions[key]
+
+
+_functions: dict[tuple[str, str], object] = {}
 
 
 def main() -> int:
-    """``python -m kvsnap.cpu_kernels.build``: build every variant now (install, a node's setup).
-    Fails where a compiler is present and a variant does not compile; without a compiler it says
-    so and succeeds (torch's operators run)."""
+    """``python -m kvsnap.cpu_kernels.build``: build every variant now (install, a node's setup,
+    ``make lint``). Fails where the variant this CPU would run does not build (with
+    ``KVSNAP_KERNELS_STRICT=1``: any variant, warnings included); without a compiler it says so
+    and succeeds (torch's operators run)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if compiler() is None:
         print("kernels: no C compiler (cc or CC): torch's operators will run")
@@ -267,7 +323,8 @@ def main() -> int:
         runs = "runs here" if runs_here(variant) else "compile only: this CPU lacks its instructions"
         print(f"kernels {variant}: {'built ' + path.name if path else 'NOT BUILT'} ({runs})")
     print(f"kernels: this machine runs {chosen() or 'none (torch operators)'}")
-    return 0 if all(built.values()) else 1
+    needed = [v for v in built if runs_here(v)][:1] if not strict() else list(built)
+    return 0 if all(built[v] for v in needed) else 1
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Work is split into units of one row, one KV head and one block of :data:`BLOCK` 
 over torch's own OpenMP threads (the library links ``libgomp.so.1``, which resolves to the
 copy torch already loaded, so the model thread's team runs it: no second thread pool). A
 head's blocks are joined in their order, so a row's result depends neither on the rows that
-share the call nor on the thread count (tests/test_one_token_attention.py).
+share the call nor on the thread count (tests/engine/test_one_token_attention.py).
 
 C source: ``cpu_kernels/csrc/decode_attention.c`` (every variant: AVX-512 where the variant has it,
 plain C in ``generic``). Where no variant runs (:func:`available` False) the torch path runs.

@@ -8,7 +8,7 @@ than the attention itself. Here the rows that take the C kernel anyway (one toke
 at this layer) are appended by one C call per layer (``append_rows``: plain copies of the
 projection's bits), and their attention is one call on the rows' addresses: each row costs a
 few Python attribute reads, not operators. The results are the same bits as the operator path
-(tests/test_decode_rows.py): the same copies, the same kernel on the same rows.
+(tests/cpu_kernels/test_decode_rows.py): the same copies, the same kernel on the same rows.
 """
 
 from __future__ import annotations

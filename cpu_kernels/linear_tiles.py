@@ -15,7 +15,7 @@ end (``TDPBF16PS``, then ``VCVTNEPS2BF16``).
 
 Every output is summed over the inputs in order, in one accumulator, by the instruction oneDNN's
 AMX kernels use for the same products, so the results are oneDNN's bit for bit at these row
-counts (tests/test_linear_tiles.py checks every count from 1 to :data:`MAX_ROWS` on both embedded
+counts (tests/cpu_kernels/test_linear_tiles.py checks every count from 1 to :data:`MAX_ROWS` on both embedded
 models' shapes); no exactness invariant moves, and a row's result depends neither on the rows
 beside it nor on the thread count. Larger products (a prompt chunk) stay with oneDNN.
 

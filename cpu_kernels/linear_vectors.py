@@ -11,7 +11,7 @@ each thread takes whole units of 32 outputs, holds their sums for up to 8 rows i
 (broadcast), prefetching the weight 16 lines ahead; rows past 8 take the unit again, from the
 cache. Every output is one float32 sum over the inputs in order, pair by pair, rounded to bf16
 once at the end, so a row's result depends neither on the rows beside it, nor on how many
-there are, nor on the thread count (tests/test_linear_vectors.py). 8-row products of SmolLM2's
+there are, nor on the thread count (tests/cpu_kernels/test_linear_vectors.py). 8-row products of SmolLM2's
 shapes: 9.4 against oneDNN's 13.5 ms (1.44x), one row 1.75x (docs/BENCHMARKS.md).
 
 They are not oneDNN's bits (its sums are in another order: a bf16 output differs in a few

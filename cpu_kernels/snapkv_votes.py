@@ -12,7 +12,7 @@ kernel's products (cpu_kernels/csrc/chunk_blocks.h: bf16 pairs summed in float32
 BF16 vectors), each query's softmax in float32 (to base 2, as that kernel's), added to the
 head's votes for the rows before the window. The products of bf16 values are exact in float32
 either way; the sums run in another order than torch's, so votes differ from its within float32
-rounding (tests/test_snapkv_votes.py), and a selection can differ only where two rows' scores
+rounding (tests/cpu_kernels/test_snapkv_votes.py), and a selection can differ only where two rows' scores
 tie to that rounding.
 
 Units run on torch's own OpenMP threads (cpu_kernels/build.py); each unit writes its own votes,

@@ -153,7 +153,7 @@ def mask(q: int, k: int, window: int | None, like: torch.Tensor) -> torch.Tensor
     are faster). None where attention needs no mask: one token (it sees every row), or a
     prompt's first chunk on an empty cache (``q == k``) with no window cutting it, plain causal,
     which SDPA runs without one, skipping the blocks above the diagonal (about 60 % of the
-    time). Either way the results are the same, bit for bit (tests/test_chunk_attention.py)."""
+    time). Either way the results are the same, bit for bit (tests/engine/test_chunk_mask_and_sdpa.py)."""
     if q == 1 or (q == k and (window is None or window >= q)):
         return None
     i = torch.arange(q, device=like.device).unsqueeze(1) + (k - q)  # each query's row index

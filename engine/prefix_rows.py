@@ -14,7 +14,7 @@ copy-on-write), so every other path sees one buffer as before; a turn's end copi
 still referred to (:func:`own_all`). A session's reference keeps the blocks' memory alive if the
 prefix cache evicts them meanwhile. Sliding layers (Gemma 3's) copy the window they keep, as do
 all layers elsewhere (one C call, or a concatenation per layer without the C copy). Either way
-the session's rows and results are the same, bit for bit (tests/test_prefix_rows.py).
+the session's rows and results are the same, bit for bit (tests/engine/test_prefix_rows.py).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def directory_factory(redis_server, request):
 
 
 API_KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
-# tests/test_aiperf.py: one tenant per aiperf run (aiperf names its sessions alike in every run)
+# tests/service/test_aiperf_sessions.py: one tenant per aiperf run (aiperf names its sessions alike in every run)
 API_KEYS |= {f"key-{case}": case for case in ("chat-header", "chat-none", "completions-header", "completions-none")}
 ADMIN_KEY = "key-admin"
 
@@ -103,7 +103,8 @@ class RunningService:
 
 @pytest.fixture(scope="session")
 def service(redis_server, tmp_path_factory):
-    """One local Ray + Serve app for the whole test run (Ray takes many seconds to start)."""
+    """One local Ray + Serve app for the whole test run (Ray takes many seconds to start), started by
+    the first test that asks for it: tests/bench/, whose suites start their own, sorts before it."""
     import ray
     from ray import serve
 
@@ -119,7 +120,7 @@ def service(redis_server, tmp_path_factory):
         grpc_port=free_port(),
         api_keys=API_KEYS,
         admin_keys=[ADMIN_KEY],
-        policy_modules=["tests.test_policy_plugin"],  # a policy written in a test file (test_policy_plugin.py)
+        policy_modules=["tests.policies.test_policy_plugin"],  # a policy written in a test file
         data_dir=str(tmp_path_factory.mktemp("service")),
         max_prompt_tokens=3000,
         max_body_bytes=64 * 1024,
@@ -132,7 +133,8 @@ def service(redis_server, tmp_path_factory):
         # the paper's SnapKV: the tests compare the service with policies built without sentence spans
         defaults=PolicyDefaults(policy="snapkv", budget=48, window=8, kernel=3, spans=False),
     )
-    # 3 logical CPUs: 2 worker replicas of 1, and room for the Serve-config app test (tests/test_cluster.py)
+    # 3 logical CPUs: 2 worker replicas of 1, and room for the Serve-config app test
+    # (tests/cluster/test_cluster_configs.py)
     ray.init(num_cpus=3, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": cfg.http_port})
     serve.run(build_app(cfg, redis_server.url), name=APP_NAME, route_prefix="/")

@@ -7,7 +7,7 @@ Before: a boolean mask built per layer and row, handed to transformers' SDPA wra
 copies keys and values once per query head when a mask is given, and SDPA turned the mask
 into an additive one on every call). After: one additive mask a step per shape, SDPA with the
 KV heads shared, and a prompt's first chunk on an empty cache without a mask (plain causal:
-SDPA skips the blocks above the diagonal). The numbers are the same (tests/test_chunk_attention.py).
+SDPA skips the blocks above the diagonal). The numbers are the same (tests/engine/test_chunk_mask_and_sdpa.py).
 
     .venv/bin/python bench/micro/chunk_mask_bench.py --out docs/results/chunk_bench.json
 """
@@ -29,7 +29,7 @@ from harness.engine import bench_doc, bf16_engine, prefill_s, profiled
 
 from kvsnap.engine import batch, capture
 
-AFTER = batch.chunk_attention, batch.mask
+AFTER = batch.sdpa_chunk_attention, batch.mask
 
 
 def before_mask(q: int, k: int, window: int | None, like: torch.Tensor) -> torch.Tensor | None:
@@ -46,7 +46,7 @@ def before_mask(q: int, k: int, window: int | None, like: torch.Tensor) -> torch
 
 def use(way: str) -> None:
     attend, batch.mask = (sdpa_attention_forward, before_mask) if way == "before" else AFTER
-    capture.chunk_attention = attend  # what the packed step's attention hands a prompt chunk to
+    capture.sdpa_chunk_attention = attend  # what the packed step's attention hands a prompt chunk to
 
 
 def model_report(model: str, args) -> dict:

@@ -6,7 +6,7 @@ models (transformers' decoder layers: engine/models/lean.py's, which call the ke
 off): the mean decode step of 1 and 8 full-KV sessions on short (--short tokens) and long
 (--tokens) caches, and one long prefill, each with the kernels off and on in turn (alternating,
 --reps times; the medians). The values are transformers' up to float32 rounding order
-(tests/test_fused.py); this measures the time.
+(tests/engine/models/test_fused_ops.py); this measures the time.
 
     .venv/bin/python bench/micro/fused_ops_bench.py --out docs/results/fused_bench.json
 """

@@ -6,7 +6,7 @@ every row). Per batch size B (--batches), the two take turns, --reps steps each,
 B sessions (each step appends one token to every session, as decoding does); the medians and
 their ratio are printed and written. Also per B: the screen's candidates per row (how many
 tokens the float64 recompute had to look at). That both heads pick the same tokens is
-tests/test_head.py's and tests/test_batching.py's to show.
+tests/engine/models/test_lm_head.py's and tests/engine/test_continuous_batching.py's to show.
 
 Usage: python bench/micro/greedy_head_bench.py [--model gemma3-270m] [--context 2048] [--batches 1,2,4,8,16]
        [--reps 7] [--out docs/results/head_bench.json]

@@ -10,7 +10,7 @@ replica runs), both embedded models. Two cases, alternating --reps times (median
 Each gives: all of the model's projections at 8 rows, once each (the products alone), the LM
 head's first pass at 8 rows, and the mean decode step of --sessions full-KV sessions on short
 (--short tokens) and long (--tokens) caches. Both cases compute the same bits
-(tests/test_linear_tiles.py); this measures the time.
+(tests/cpu_kernels/test_linear_tiles.py); this measures the time.
 
     .venv/bin/python bench/micro/linear_tiles_bench.py --out docs/results/amx_linear_bench.json
 """

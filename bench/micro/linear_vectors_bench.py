@@ -11,7 +11,7 @@ replica runs), both embedded models. Two cases, alternating --reps times (median
 Each gives: all of the model's projections at --sessions rows, as a decode step calls them
 (grouped where the layer groups them), the LM head's first pass at that many rows, and the mean
 decode step of --sessions full-KV sessions on short (--short tokens) and long (--tokens) caches.
-The two cases do not compute the same bits (tests/test_linear_vectors.py says what each keeps).
+The two cases do not compute the same bits (tests/cpu_kernels/test_linear_vectors.py says what each keeps).
 
     .venv/bin/python bench/micro/linear_vectors_bench.py --out docs/results/few_linear_bench.json
 """

@@ -4,7 +4,7 @@ In-process ``Engine``, bfloat16, both embedded models: the mean decode step of 1
 full-KV sessions on short (--short tokens) and long (--tokens) caches, and one long prefill,
 each measured with the weights packed and unpacked in turn (alternating, --reps times; the
 medians), plus the bytes the packed copies add. The answers are the same either way (the
-logits are bit-equal, tests/test_packed.py); this measures only the time.
+logits are bit-equal, tests/engine/models/test_packed_linears.py); this measures only the time.
 
 ``--compare grouped``: the same measures with the projections taken together (a layer's query,
 key and value; its gate and up) packed as one weight each (``packed.group``) against each

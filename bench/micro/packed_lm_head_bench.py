@@ -2,7 +2,7 @@
 start-up (engine/models/head.py) against ``F.linear``, which reorders the head on every call, side by
 side in one run. In-process ``Engine``, bf16, both embedded models: the mean decode step of
 --sessions greedy full-KV sessions on --short and --tokens token caches, the two ways alternating
---reps times (medians). Both give the same bits (tests/test_head.py); this measures the time.
+--reps times (medians). Both give the same bits (tests/engine/models/test_lm_head.py); this measures the time.
 
     .venv/bin/python bench/micro/packed_lm_head_bench.py --out docs/results/packed_head_bench.json
 """

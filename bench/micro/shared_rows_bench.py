@@ -14,7 +14,7 @@ each asking its own question and generating --max-tokens tokens. Rounds alternat
 
 Per case (medians over its rounds): the later chats' TTFT p50 and mean, and the time a later
 chat's compression took (``Turn.settle``). Both cases give the same tokens
-(tests/test_prefix_rows.py), so no answers are compared.
+(tests/engine/test_prefix_rows.py), so no answers are compared.
 
     .venv/bin/python bench/micro/shared_rows_bench.py --out docs/results/shared_rows_bench.json
 """

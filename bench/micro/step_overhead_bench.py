@@ -12,7 +12,7 @@ kernels), both embedded models; three cases, alternating --reps times (medians):
 
 Each gives the mean decode step of --sessions full-KV sessions on short (--short tokens) and
 long (--tokens) caches, and one --tokens prefill. Every case computes the same bits
-(tests/test_decode_rows.py, tests/test_lean.py); this measures the time.
+(tests/cpu_kernels/test_decode_rows.py, tests/engine/models/test_lean_llama_layer.py); this measures the time.
 
     .venv/bin/python bench/micro/step_overhead_bench.py --out docs/results/decode_step_main.json
 """

@@ -9,7 +9,9 @@ eval mode, on CUDA when present, else CPU.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -60,9 +62,12 @@ class LoadedModel:
 
     @property
     def fingerprint(self) -> str:
-        """The weights and the dtype: a session's KV is only valid on the same fingerprint (float32's
-        is the weights' own, as before dtypes were chosen)."""
-        return self.weights if self.dtype == torch.float32 else f"{self.weights}-{dtype_name(self.dtype)}"
+        """The weights, the settings that shape a layer's KV (positions, windows, heads) and the
+        dtype: a session's KV is only valid on the same fingerprint."""
+        kv = kv_settings_digest(self.model.config)
+        return (
+            f"{self.weights}-{kv}" if self.dtype == torch.float32 else f"{self.weights}-{kv}-{dtype_name(self.dtype)}"
+        )
 
     @property
     def config(self):
@@ -276,6 +281,21 @@ def _converted(gguf: Path, target: Path) -> str:
 
         shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+KV_SETTINGS = ("rope", "sliding", "layer_types", "head_dim", "num_key_value_heads", "num_attention_heads", "softcap")
+
+
+@functools.cache
+def _kv_settings_digest(settings: str) -> str:
+    return hashlib.sha256(settings.encode()).hexdigest()[:8]
+
+
+def kv_settings_digest(config) -> str:
+    """A digest of the config settings that decide what a layer's keys and values are (RoPE,
+    sliding windows, head counts): the same weights under another RoPE scaling make other KV."""
+    found = {k: v for k, v in config.to_dict().items() if any(part in k for part in KV_SETTINGS)}
+    return _kv_settings_digest(json.dumps(found, sort_keys=True, default=str))
 
 
 def _fingerprint(name: str, model: torch.nn.Module) -> str:

@@ -7,7 +7,8 @@ operators. :func:`lean_forward` makes the calls the layer makes anyway, in the s
 same packed projections (engine/models/packed.py), the norm and MLP modules' own forwards called
 directly (engine/models/fused.py's where fused), the same cache update and attention function; RoPE
 is one C pass with transformers' roundings (:func:`kvsnap.cpu_kernels.fused_ops.rope`). The hidden
-states, keys and values are those of transformers' path bit for bit (tests/test_lean.py), so no invariant changes.
+states, keys and values are those of transformers' path bit for bit
+(tests/engine/models/test_lean_llama_layer.py), so no invariant changes.
 
 :func:`install` points the forward of a bf16 CPU Llama-family model's decoder layers here
 (SmolLM2 is one) where the fused kernels built; a layer falls back to transformers' forward

@@ -7,7 +7,7 @@ weight once at load (``torch.ops.mkldnn._reorder_linear_weight``, what inductor'
 does) and calling ``torch.ops.mkldnn._linear_pointwise`` makes 8-row products 1.5-1.9x faster
 here, and 1,024-row ones no slower (docs/BENCHMARKS.md, "Packed linear weights").
 
-The results are bit-equal to ``F.linear``'s for any number of rows (tests/test_packed.py), so
+The results are bit-equal to ``F.linear``'s for any number of rows (tests/engine/models/test_packed_linears.py), so
 no exactness invariant changes. The module keeps its weight (code that reads it, such as
 KVzip+'s output-projection norms, sees the same tensor); the packed copy is extra memory, the
 bytes :func:`pack_linears` returns. Weights are frozen once packed: this is for inference.
@@ -22,7 +22,7 @@ Projections of one input that are always called together (a Llama layer's query,
 projections in engine/models/lean.py; a gated MLP's gate and up projections in engine/models/fused.py) are
 packed as one weight, their rows stacked (:func:`group`): one oneDNN call per layer instead of
 three (or two), with each output's bits unchanged (every output is the same sum over the same
-input; tests/test_packed.py checks each row count). On a CPU without AMX a decode step's weights
+input; tests/engine/models/test_packed_linears.py checks each row count). On a CPU without AMX a decode step's weights
 stream from memory, and one call streams them faster than three: SmolLM2's 30 layers of 8-row
 products take about 12 ms grouped and 19 ms apart here (docs/BENCHMARKS.md, "Grouped
 projections"). A grouped module keeps no packed copy of its own (no more memory than before): called
@@ -34,7 +34,7 @@ each weight, repacked once: 1.4-1.75x oneDNN's speed for 1-8 rows, but not oneDN
 choice is made per row, not per product: :func:`step_rows` (around ``Engine.step``'s forward) says
 which rows of the packed sequence have one token, and those always take the kernel, alone or
 beside a prompt chunk (which takes oneDNN, the two results put together): a row's products
-depend on the row only, as the batching and replay invariants need (tests/test_linear_vectors.py).
+depend on the row only, as the batching and replay invariants need (tests/cpu_kernels/test_linear_vectors.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Tests of cpu_kernels/: the C kernels against torch, and their build per ISA variant."""

@@ -1,0 +1,1 @@
+"""Tests of policies/: the compression and eviction policies, their math and their contract."""

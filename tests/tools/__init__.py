@@ -1,0 +1,1 @@
+"""Tests of tools/: kvsnap serve, kvsnap eval, the load generator."""
