@@ -293,17 +293,15 @@ def function(name: str, restype, argtypes: list, variant: str | None = None):
     """The C function ``name`` of ``variant``'s library (default :func:`chosen`) with its ctypes
     signature, or None where that library does not exist or was compiled without it (the function
     needs other instructions). Resolved once per variant: a kernel call costs a dict lookup."""
-    variant = variant or chosen()
-    if variant is None or not enabled():
-        return None
-    key = (name, variant)
-    if key not in _functions:
-        lib = library(variant)
-        fn = getattr(lib, name, None) if lib is not None else None
-        if fn is not None:
-            fn.restype, fn.argtypes = restype, argtypes
-        _functions[key] = fn
-    return _functions[key]
+    key = (name, variant or (_override[-1] if _override else _best()))
+    found = _functions.get(key, _functions)  # the dict itself: not looked up yet
+    if found is _functions:
+        lib = library(key[1]) if key[1] is not None else None
+        found = getattr(lib, name, None) if lib is not None else None
+        if found is not None:
+            found.restype, found.argtypes = restype, argtypes
+        _functions[key] = found
+    return found
 
 
 _functions: dict[tuple[str, str], object] = {}
