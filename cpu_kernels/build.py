@@ -13,7 +13,7 @@ Variants, best first (:data:`VARIANTS`):
 Flags are explicit per variant (no ``-march=native``), so one machine builds every variant: an
 x86 CI compiles all three, and runs those its CPU can. Each is compiled with ``-Wall -Werror``
 into a cache folder keyed by the sources, the flags and the compiler (``KVSNAP_KERNEL_DIR`` or
-``~/.cache/kvsnap/kernels``); ``python -m kvsnap.cpu_kernels.build`` builds them ahead of time
+``~/.cache/kvsnap/kernels``); ``python -m kvsnap.cpu_kernels`` builds them ahead of time
 (``make install`` and a cluster node's setup do), so a process loads them in milliseconds.
 
 Which variant runs: ``KVSNAP_KERNEL_VARIANT`` if set, else the best this CPU runs (and, for
@@ -38,7 +38,6 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,9 +49,12 @@ CSRC = Path(__file__).with_name("csrc")
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 # variant -> (compiler flags, the CPU flags it needs); generic targets the machine's base ISA
 VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "amx": (("-march=sapphirerapids",), ("amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl")),
+    "amx": (
+        ("-march=sapphirerapids", "-mprefer-vector-width=512"),
+        ("amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl"),
+    ),
     "avx512bf16": (
-        ("-march=x86-64-v4", "-mavx512bf16"),
+        ("-march=x86-64-v4", "-mavx512bf16", "-mprefer-vector-width=512"),
         ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16"),
     ),
     "generic": (("-march=x86-64",) if X86 else (), ()),
@@ -308,7 +310,7 @@ _functions: dict[tuple[str, str], object] = {}
 
 
 def main() -> int:
-    """``python -m kvsnap.cpu_kernels.build``: build every variant now (install, a node's setup,
+    """``python -m kvsnap.cpu_kernels``: build every variant now (install, a node's setup,
     ``make lint``). Fails where the variant this CPU would run does not build (with
     ``KVSNAP_KERNELS_STRICT=1``: any variant, warnings included); without a compiler it says so
     and succeeds (torch's operators run)."""
@@ -324,6 +326,3 @@ def main() -> int:
     needed = [v for v in built if runs_here(v)][:1] if not strict() else list(built)
     return 0 if all(built[v] for v in needed) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,34 +30,31 @@ def test_every_variant_compiles_and_the_cpu_runs_the_best_it_can():
     assert build.chosen() == ((named if named in runnable else None) if named else runnable[0])
 
 
-def test_a_broken_c_file_fails_the_build(tmp_path, monkeypatch):
+@pytest.fixture
+def sources(tmp_path, monkeypatch):
+    """A copy of the C sources the build reads (and a cache of its own), to break on purpose."""
     csrc = tmp_path / "csrc"
     shutil.copytree(build.CSRC, csrc)
-    (csrc / "fused_ops.c").write_text((csrc / "fused_ops.c").read_text() + "\nint broken(void) { return }\n")
     monkeypatch.setattr(build, "CSRC", csrc)
     monkeypatch.setenv("KVSNAP_KERNEL_DIR", str(tmp_path / "cache"))
     build.compiled.cache_clear()
-    try:
-        with pytest.raises(build.KernelBuildError, match="fused_ops.c"):
-            build.compiled("generic")
-        monkeypatch.setenv("KVSNAP_KERNELS_STRICT", "0")  # a service: the error is logged, nothing loads
-        assert build.compiled("generic") is None
-    finally:
-        build.compiled.cache_clear()
-
-
-def test_a_warning_is_an_error(tmp_path, monkeypatch):
-    csrc = tmp_path / "csrc"
-    shutil.copytree(build.CSRC, csrc)
-    (csrc / "block_copy.c").write_text((csrc / "block_copy.c").read_text() + "\nvoid unused(void) { int x; }\n")
-    monkeypatch.setattr(build, "CSRC", csrc)
-    monkeypatch.setenv("KVSNAP_KERNEL_DIR", str(tmp_path / "cache"))
+    yield csrc
     build.compiled.cache_clear()
-    try:
-        with pytest.raises(build.KernelBuildError, match="unused variable"):
-            build.compiled("generic")
-    finally:
-        build.compiled.cache_clear()
+
+
+def test_a_broken_c_file_fails_the_build(sources, monkeypatch):
+    (sources / "fused_ops.c").write_text((sources / "fused_ops.c").read_text() + "\nint broken(void) { return }\n")
+    with pytest.raises(build.KernelBuildError, match="fused_ops.c"):
+        build.compiled("generic")
+    monkeypatch.setenv("KVSNAP_KERNELS_STRICT", "0")  # a service: the error is logged, nothing loads
+    build.compiled.cache_clear()
+    assert build.compiled("generic") is None
+
+
+def test_a_warning_is_an_error(sources):
+    (sources / "block_copy.c").write_text((sources / "block_copy.c").read_text() + "\nvoid unused(void) { int x; }\n")
+    with pytest.raises(build.KernelBuildError, match="unused variable"):
+        build.compiled("generic")
 
 
 def test_no_python_file_holds_c_source():
