@@ -143,7 +143,7 @@ def target(variant: str, cc: str) -> Path:
 
 def _prefix(variant: str) -> str:
     sources = [p.read_bytes() for p in sorted(CSRC.glob("*.[ch]"))]
-    flags = " ".join((*FLAGS, *VARIANTS[variant][0]))  # -Werror or not: the same code
+    flags = " ".join(_flags(variant))  # strict builds apart: a warning must fail them, not hit a cache
     return f"libkvsnap_{variant}_{_digest([*sources, flags.encode()])}_"
 
 
@@ -216,7 +216,10 @@ def _parallel(cc: str) -> str:
 
 
 def _run(command: list[str]) -> str:
+    """The command's error ("" when it succeeded; its warnings then go to the log)."""
     done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode == 0 and done.stderr.strip():
+        log.warning("%s\n%s", " ".join(command), done.stderr.strip())
     return "" if done.returncode == 0 else f"$ {' '.join(command)}\n{done.stderr}"
 
 
@@ -325,4 +328,3 @@ def main() -> int:
     print(f"kernels: this machine runs {chosen() or 'none (torch operators)'}")
     needed = [v for v in built if runs_here(v)][:1] if not strict() else list(built)
     return 0 if all(built[v] for v in needed) else 1
-

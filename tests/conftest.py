@@ -19,16 +19,19 @@ from kvsnap.cpu_kernels import build  # noqa: E402
 from kvsnap.engine import Engine, load_model  # noqa: E402
 
 
-def pytest_report_header(config) -> list[str]:
+def pytest_sessionstart(session) -> None:
     """Every kernel variant this compiler targets is built before any test runs (compile only
-    where this CPU lacks its instructions), one line each; a build error stops the run."""
+    where this CPU lacks its instructions), one line each, also under ``-q``; a build error
+    (``KVSNAP_KERNELS_STRICT=1``: warnings too) stops the run."""
     if build.compiler() is None:
         raise pytest.UsageError("no C compiler (cc or CC): the kernels cannot be built or tested")
     lines = []
     for variant, path in build.compile_all().items():
         runs = "runs here" if build.runs_here(variant) else "compile only: this CPU lacks its instructions"
         lines.append(f"kernels {variant}: built {path.name} ({runs})")
-    return [*lines, f"kernels: this machine runs {build.chosen()}"]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for line in [*lines, f"kernels: this machine runs {build.chosen()}"]:
+        reporter.write_line(line) if reporter else print(line)
 
 
 @pytest.fixture(scope="session", params=["tiny-llama", "tiny-gemma3"])
