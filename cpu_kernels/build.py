@@ -11,14 +11,16 @@ Variants, best first (:data:`VARIANTS`):
   fused ops, block copies); the rest run as torch's operators.
 
 Flags are explicit per variant (no ``-march=native``), so one machine builds every variant: an
-x86 CI compiles all three, and runs those its CPU can. Each is compiled with ``-Wall -Werror``
-into a cache folder keyed by the sources, the flags and the compiler (``KVSNAP_KERNEL_DIR`` or
-``~/.cache/kvsnap/kernels``); ``python -m kvsnap.cpu_kernels`` builds them ahead of time
+x86 CI compiles all three, and runs those its CPU can. Each is compiled with ``-Wall -Wextra``
+(and ``-Werror`` with ``KVSNAP_KERNELS_STRICT=1``: the tests and ``make lint``; a service logs
+a warning and goes on) into a cache folder keyed by the sources, the flags and the compiler
+(``KVSNAP_KERNEL_DIR`` or ``~/.cache/kvsnap/kernels``); ``python -m kvsnap.cpu_kernels`` builds them ahead of time
 (``make install`` and a cluster node's setup do), so a process loads them in milliseconds.
 
 Which variant runs: ``KVSNAP_KERNEL_VARIANT`` if set, else the best this CPU runs (and, for
 ``amx``, Linux grants the tiles' state); ``KVSNAP_C_KERNELS=0``: none (torch's operators run
-everywhere). Without a C compiler none either, said once in the log. A variant that does not
+everywhere). Without a C compiler, libraries built ahead of time still load; with none, torch's
+operators run, said once in the log. A variant that does not
 compile is an error in the log and the next variant runs; with ``KVSNAP_KERNELS_STRICT=1`` (the
 tests) it raises :class:`KernelBuildError`. Bits are equal within one variant only: another
 variant (or torch's path) computes the same rows within the dtype's tolerance.
@@ -64,7 +66,7 @@ VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # compiling only: linked with it, gcc before 13 adds a start-up file that turns on flush-to-zero
 # for the whole process (float32 denormals would become 0 in every torch operator).
 FLAGS = ("-O3", "-ffast-math", "-fPIC", "-Wall", "-Wextra", "-Wno-unused-parameter", "-std=gnu11")
-STRICT_FLAGS = ("-Werror",)  # tests, lint and the install: a warning is an error; a service only logs it
+STRICT_FLAGS = ("-Werror",)  # tests and lint (KVSNAP_KERNELS_STRICT=1): a warning is an error
 PARALLEL = ("-fopenmp", "-fopenmp-simd")  # the first that builds: OpenMP threads, or one thread
 _override: list[str | None] = []  # use(): the variant a test or benchmark asks for
 
