@@ -4,7 +4,10 @@ conversation, and the model answers in kvsnap's engine as it does in transformer
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import requests
 import torch
 
 from kvsnap.errors import InvalidArgument
@@ -185,3 +188,13 @@ def test_a_chat_on_smollm2_through_the_service_prefills_only_each_new_message(se
             messages.append({"role": "assistant", "content": got["choices"][0]["message"]["content"]})
     finally:
         serve.delete("smollm2")
+        _until_its_workers_are_gone(service)
+
+
+def _until_its_workers_are_gone(service, timeout_s: float = 60) -> None:
+    """The deleted app's replica stops heartbeating; its load entry on the shared Redis expires
+    within the heartbeat TTL. Later tests read /health of the shared service: wait for it."""
+    deadline = time.monotonic() + timeout_s
+    while requests.get(f"{service.http}/health", timeout=10).json()["dtype"] != ["float32"]:
+        assert time.monotonic() < deadline, "the smollm2 app's workers still listed in /health"
+        time.sleep(0.5)
