@@ -9,7 +9,6 @@ eval mode, on CUDA when present, else CPU.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -59,15 +58,14 @@ class LoadedModel:
     name: str
     device: torch.device
     weights: str  # identifies the weights, whatever dtype they run in (what a KVzap surrogate is trained for)
+    kv_settings: str = ""  # a digest of the config settings that shape a layer's KV (:func:`kv_settings_digest`)
 
     @property
     def fingerprint(self) -> str:
         """The weights, the settings that shape a layer's KV (positions, windows, heads) and the
         dtype: a session's KV is only valid on the same fingerprint."""
-        kv = kv_settings_digest(self.model.config)
-        return (
-            f"{self.weights}-{kv}" if self.dtype == torch.float32 else f"{self.weights}-{kv}-{dtype_name(self.dtype)}"
-        )
+        kv = f"{self.weights}-{self.kv_settings}"
+        return kv if self.dtype == torch.float32 else f"{kv}-{dtype_name(self.dtype)}"
 
     @property
     def config(self):
@@ -158,7 +156,7 @@ def load_model(
     model.to(dev).eval()
     weights = _fingerprint(name, model)  # before packing adds copies of the weights
     _pack(model, name)
-    return LoadedModel(model, tokenizer, name, dev, weights)
+    return LoadedModel(model, tokenizer, name, dev, weights, kv_settings_digest(model.config))
 
 
 def _pack(model: torch.nn.Module, name: str) -> None:
@@ -207,7 +205,7 @@ def _tiny(name: str, dev: torch.device, attn: str, dtype: torch.dtype) -> Loaded
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
     model.to(dev, dtype).eval()  # the same random weights in either dtype (drawn in float32)
     _pack(model, name)
-    return LoadedModel(model, ByteTokenizer(), name, dev, f"{name}-seed0")
+    return LoadedModel(model, ByteTokenizer(), name, dev, f"{name}-seed0", kv_settings_digest(model.config))
 
 
 def _embedded_gemma_dir() -> tuple[str, str | None]:
@@ -286,16 +284,11 @@ def _converted(gguf: Path, target: Path) -> str:
 KV_SETTINGS = ("rope", "sliding", "layer_types", "head_dim", "num_key_value_heads", "num_attention_heads", "softcap")
 
 
-@functools.cache
-def _kv_settings_digest(settings: str) -> str:
-    return hashlib.sha256(settings.encode()).hexdigest()[:8]
-
-
 def kv_settings_digest(config) -> str:
     """A digest of the config settings that decide what a layer's keys and values are (RoPE,
     sliding windows, head counts): the same weights under another RoPE scaling make other KV."""
     found = {k: v for k, v in config.to_dict().items() if any(part in k for part in KV_SETTINGS)}
-    return _kv_settings_digest(json.dumps(found, sort_keys=True, default=str))
+    return hashlib.sha256(json.dumps(found, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
 def _fingerprint(name: str, model: torch.nn.Module) -> str:
