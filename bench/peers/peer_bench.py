@@ -69,16 +69,17 @@ def chats(model: str, count: int, turns: int, doc_tokens: int, seed0: int) -> li
     return out
 
 
-def ask(client, model: str, messages: list[dict], max_tokens: int) -> dict:
+def ask(client, model: str, messages: list[dict], max_tokens: int, settings: dict | None = None) -> dict:
     """One streamed chat completion: its TTFT (first text), the answer, and the tokens the server
     says it prefilled: usage's ``prompt_tokens`` less ``cached_tokens`` (vLLM counts the whole
     prompt and its prefix-cache hits; kvsnap the turn's new tokens and those from shared rows,
-    not the replay of a session it rebuilt first: ``source`` "rebuilt", kvsnap's own field)."""
+    not the replay of a session it rebuilt first: ``source`` "rebuilt", kvsnap's own field).
+    ``settings``: kvsnap's session settings (``extra_body={"kvsnap": ...}``), for kvsnap alone."""
     t0 = time.perf_counter()
     ttft, parts, usage, source = None, [], None, None
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True},
+        stream_options={"include_usage": True}, extra_body={"kvsnap": settings} if settings else None,
     )  # fmt: skip
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -95,11 +96,14 @@ def ask(client, model: str, messages: list[dict], max_tokens: int) -> dict:
             "source": source}  # fmt: skip
 
 
-def ask_in_chat(client, model: str, tok_count, history: list, last: list, chat: int, text: str, max_tokens: int):
+def ask_in_chat(
+    client, model: str, tok_count, history: list, last: list, chat: int, text: str, max_tokens: int,
+    settings: dict | None = None,
+):  # fmt: skip
     """Chat ``chat``'s next turn ``text``, asked (:func:`ask`) and recorded: its prompt's tokens,
     what it adds to the chat (:func:`new_tokens`), the chat's history and last turn."""
     messages = history[chat] + [{"role": "user", "content": text}]
-    got = ask(client, model, messages, max_tokens)
+    got = ask(client, model, messages, max_tokens, settings)
     got["prompt_tokens"] = tok_count(messages)
     got["new_tokens"] = new_tokens(got, last[chat])
     history[chat], last[chat] = messages + [{"role": "assistant", "content": got["text"]}], got
@@ -120,13 +124,17 @@ def new_tokens(turn: dict, previous: dict | None) -> int:
 class Chats:
     """One server's side of a multi-turn workload, a round at a time: every chat's next turn,
     ``in_flight`` at once; each turn's figures and answers in ``rows``, each round's seconds in
-    ``rounds_s``."""
+    ``rounds_s``. ``settings``: kvsnap's session settings for every turn (kvsnap alone)."""
 
-    def __init__(self, server: Server, model: str, convs: list[dict], in_flight: int, max_tokens: int):
+    def __init__(
+        self, server: Server, model: str, convs: list[dict], in_flight: int, max_tokens: int,
+        settings: dict | None = None,
+    ):  # fmt: skip
         import openai
 
         self.client = openai.OpenAI(base_url=server.url, api_key=KEY, timeout=1800, max_retries=0)
         self.model, self.convs, self.in_flight, self.max_tokens = model, convs, in_flight, max_tokens
+        self.settings = settings
         self.tok_count = _prompt_tokens(model)
         self.rows: list[dict] = []
         self.rounds_s: list[float] = []
@@ -137,7 +145,9 @@ class Chats:
         conv = self.convs[i]
         fact = conv["facts"][turn]
         text = f"{conv['document']}\n\n{fact.question}" if turn == 0 else fact.question
-        got = ask_in_chat(self.client, self.model, self.tok_count, self.history, self.last, i, text, self.max_tokens)
+        got = ask_in_chat(
+            self.client, self.model, self.tok_count, self.history, self.last, i, text, self.max_tokens, self.settings
+        )  # fmt: skip
         return got | {"chat": i, "turn": turn + 1, "right": fact.answer.lower() in got["text"].lower()}
 
     def round(self, turn: int) -> dict:
@@ -169,12 +179,13 @@ def conversations_alternating(workload: str, args, work: Path, folder: str) -> d
 def _prompt_tokens(model: str):
     from kvsnap.engine.models import tokenizer_for
 
+    from kvsnap.service.template import encode_messages
+
     tok, lock = tokenizer_for(model), threading.Lock()
 
-    def count(messages: list[dict]) -> int:
+    def count(messages: list[dict]) -> int:  # under kvsnap's template (the model's own where it has one)
         with lock:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return len(tok.encode(text, add_special_tokens=False))
+            return len(encode_messages(tok, messages, first=True))
 
     return count
 
