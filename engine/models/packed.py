@@ -114,11 +114,18 @@ def _with_few_rows(modules: tuple[nn.Linear, ...], x: torch.Tensor, rest) -> lis
         return rest(x)
     weights = [_FEW[m] for m in modules]
     if len(singles) == x.shape[1]:  # a decode step: every row
-        return linear_vectors.linears(x, weights)
+        return _biased(modules, linear_vectors.linears(x, weights))
     outs = rest(x)
-    for out, rows in zip(outs, linear_vectors.linears(x[:, singles], weights), strict=True):
+    for out, rows in zip(outs, _biased(modules, linear_vectors.linears(x[:, singles], weights)), strict=True):
         out[:, singles] = rows
     return outs
+
+
+def _biased(modules: tuple[nn.Linear, ...], outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The kernels' products (which take no bias) with each module's bias added, where it has one
+    (Qwen2's query, key and value projections): one pass over a few rows, rounded to bf16 twice
+    where oneDNN adds it before its one rounding (within one bf16 step of its bits)."""
+    return [out if m.bias is None else out.add_(m.bias) for m, out in zip(modules, outs, strict=True)]
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -165,7 +172,7 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _product_of(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed = _PACKED.get(self)
     if x.dtype == torch.bfloat16 and self in _AMX and _few_rows(x):
-        return linear_tiles.linear(x, self.weight)
+        return _biased((self,), [linear_tiles.linear(x, self.weight)])[0]
     if packed is None or x.dtype != torch.bfloat16:  # a copy, a grouped module, another dtype: the plain product
         return nn.Linear.forward(self, x)
     return product(x, packed, self.bias)
@@ -178,7 +185,7 @@ def products(modules: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tens
     :func:`group` (the outputs are views of its columns), else each module's own; the same bits
     every way."""
     if all(m in _AMX for m in modules) and _few_rows(x):
-        return linear_tiles.linears(x, [m.weight for m in modules])
+        return _biased(modules, linear_tiles.linears(x, [m.weight for m in modules]))
     return _with_few_rows(modules, x, lambda rows: _onednn_products(modules, rows))
 
 
@@ -241,9 +248,9 @@ def pack_linears(model: nn.Module) -> int:
             _PACKED[module] = pack(module.weight)
         module.forward = types.MethodType(_packed_forward, module)
         added += module.weight.numel() * module.weight.element_size()
-        if module.bias is None and linear_tiles.takes(module.weight):
+        if linear_tiles.takes(module.weight):
             _AMX.add(module)
-        elif module.bias is None and linear_vectors.takes(module.weight):
+        elif linear_vectors.takes(module.weight):
             _FEW[module] = linear_vectors.repack(module.weight)  # a second copy: counted
             added += module.weight.numel() * module.weight.element_size()
     for first in [m for m in model.modules() if m in _WANTED and m not in _GROUPS]:  # asked for before an unpack

@@ -73,9 +73,9 @@ def test_several_weights_in_one_call_give_each_its_own_product():
         linear_vectors.linears(x, [])
 
 
-def _packed_linear(out_features: int, in_features: int) -> nn.Linear:
+def _packed_linear(out_features: int, in_features: int, bias: bool = False) -> nn.Linear:
     torch.manual_seed(3)
-    module = nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16).eval()
+    module = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16).eval()
     holder = nn.Sequential(module)
     packed.pack_linears(holder)
     assert packed.uses_few(module)
@@ -105,3 +105,21 @@ def test_in_a_packed_step_one_token_rows_take_the_kernel_and_prompt_chunks_onedn
             assert torch.equal(module(tokens[:, singles]), torch.nn.functional.linear(tokens[:, singles], weight))
     finally:
         packed.FEW_ROWS = True
+
+
+def test_a_biased_projection_takes_the_kernel_and_adds_its_bias():
+    """Qwen2's query, key and value projections have biases: their one-token rows take the kernel
+    too, the bias added after it (within a bf16 step of oneDNN's, which adds it before rounding)."""
+    module = _packed_linear(192, 576, bias=True)
+    weight, bias = module.weight.detach(), module.bias.detach()
+    tokens = torch.randn(1, 1 + 5 + 1, 576).bfloat16()  # rows of 1, 5 and 1 tokens
+    with torch.inference_mode(), packed.step_rows([1, 5, 1]):
+        out = module(tokens)
+    singles = [0, 6]
+    kernel = linear_vectors.linears(tokens[0, singles], [linear_vectors.repack(weight)])[0]
+    assert torch.equal(out[0, singles], kernel + bias)
+    assert torch.equal(out[0, 1:6], torch.nn.functional.linear(tokens[0, 1:6], weight, bias))
+    reference = torch.nn.functional.linear(tokens[0, singles].float(), weight.float(), bias.float())
+    torch.testing.assert_close(out[0, singles].float(), reference, rtol=2**-7, atol=2**-7)
+    with torch.inference_mode(), packed.step_rows([1, 1]):  # a decode step alone: the same bits
+        assert torch.equal(module(tokens[:, singles])[0], kernel + bias)
