@@ -3,9 +3,10 @@
 ``kvsnap serve`` runs the service (local Ray, embedded Redis, HTTP + gRPC) in the
 foreground; ``kvsnap chat`` is an interactive client for it; ``kvsnap load`` is a
 multi-turn load generator against it; ``kvsnap eval`` is the quality harness (in-process
-or against a service); ``kvsnap spot-watch`` runs on spot GPU nodes (see cluster/README.md).
+or against a service); ``kvsnap calibrate`` measures a model's session defaults against full
+KV (tools/calibrate.py); ``kvsnap spot-watch`` runs on spot GPU nodes (see cluster/README.md).
 
-``kvsnap generate`` runs one session in-process on the embedded Gemma 3 270M (or
+``kvsnap generate`` runs one session in-process on the embedded SmolLM2-135M-Instruct (or
 ``--model``): it prefills a long prompt (by default a generated pass-key document
 of ``--context-tokens`` tokens), compresses it with the chosen policy, streams the
 answer, asks an optional follow-up on the compressed cache, and prints what each
@@ -23,6 +24,7 @@ import time
 from kvsnap.errors import KvsnapError
 
 from . import clients
+from .calibrate import add_calibrate_parser
 from .clients import DTYPES
 from .eval_cli import add_eval_parser
 
@@ -222,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_lazy("chat", "cmd_chat"))
 
     add_eval_parser(sub)
+    add_calibrate_parser(sub)
 
     ld = sub.add_parser("load", help="multi-turn load generator against a running service (HTTP or gRPC)")
     ld.add_argument("--url", default="http://127.0.0.1:8000", help="the service's HTTP address")

@@ -93,16 +93,11 @@ def _share_the_cores(cfg):
 
 def _defaults_line(cfg) -> str:
     """Which settings a session gets where its caller names none, and whether they were measured
-    on this model (engine/defaults.py) or are the generic ones."""
-    from kvsnap.engine.defaults import MODEL_DEFAULTS
+    on this model (shipped, engine/defaults.py, or by ``kvsnap calibrate``) or are the generic ones."""
+    from kvsnap.engine.defaults import defaults_of
     from kvsnap.tools.specs import spec_text
 
-    how = (
-        "measured on this model against full KV: docs/BENCHMARKS.md"
-        if cfg.model in MODEL_DEFAULTS
-        else "generic: not measured on this model; kvsnap eval --tasks facts --policies full,default measures them"
-    )
-    return f"session defaults for {cfg.model}: {spec_text(cfg.session_defaults())} ({how})"
+    return f"session defaults for {cfg.model}: {spec_text(cfg.session_defaults())} ({defaults_of(cfg.model)[1]})"
 
 
 def _serving(cfg, generated_key: str | None) -> None:

@@ -24,6 +24,8 @@ def test_every_embedded_model_has_defaults_that_build_a_policy_and_a_spec():
         built, recompress, _ = spec.build(settings.get("window", 32))
         assert built == make_policy(settings["policy"], **params) and recompress == settings["recompress"]
     assert default_settings("some/hf-model") == {"recompress": "per_turn"} | GENERIC
+    generic = default_settings("some/hf-model")  # a model never calibrated loses no row, however long
+    assert not make_policy(generic["policy"]).compresses_anything and set(generic) == {"policy", "recompress"}
 
 
 def test_the_defaults_keep_a_short_document_whole():
