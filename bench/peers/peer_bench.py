@@ -178,7 +178,6 @@ def conversations_alternating(workload: str, args, work: Path, folder: str) -> d
 
 def _prompt_tokens(model: str):
     from kvsnap.engine.models import tokenizer_for
-
     from kvsnap.service.template import encode_messages
 
     tok, lock = tokenizer_for(model), threading.Lock()
