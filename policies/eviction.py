@@ -12,7 +12,12 @@ predicts each session's next turn from its last two (the gap between them; for a
 seen once, the median gap of its tenant's other sessions, or :data:`PRIOR_GAP_S`) and evicts
 the one due last: on a cycle, the one asked most recently (Belady's choice). A session idle
 for more than twice its gap plus :data:`SLACK_S` is taken for abandoned and goes first, least
-recently used first, so idle sessions do not hold the tiers. The median is the tenant's own
+recently used first, so idle sessions do not hold the tiers. Not before any session of its
+tenant has come back, though: until then nothing says how long its users take between turns.
+With the prior alone, a first round of turns longer than twice the prior plus the slack (48
+chats of 3K tokens on 2 cores took 218 s) made its oldest sessions look abandoned; each was
+dropped just before its follow-up, and each rebuild pushed out the next (the peer bench's
+pressure workload at 48 chats: every follow-up rebuilt). The median is the tenant's own
 (keys are ``tenant/...``): another tenant's quick turns do not make a tenant's sessions look
 abandoned sooner.
 
@@ -114,7 +119,10 @@ class NextUse:
             if (gap := self.gap.get(key)) is None:
                 if typical is None:
                     typical = self.typical_gaps()
-                gap = typical.get(tenant_of(key), PRIOR_GAP_S)
+                if tenant_of(key) not in typical:  # no session of its tenant has come back yet:
+                    yield key, (0, last + PRIOR_GAP_S)  # due by the prior, never taken for abandoned
+                    continue
+                gap = typical[tenant_of(key)]
             idle = now - last
             yield key, (1, idle) if idle > 2 * gap + SLACK_S else (0, last + gap)
 

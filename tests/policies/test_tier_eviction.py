@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvsnap.policies import LRU, NextUse
-from kvsnap.policies.eviction import SLACK_S
+from kvsnap.policies.eviction import PRIOR_GAP_S, SLACK_S
 from kvsnap.store.tiers import DeviceTier, HostTier, KVBlob, TieredStore
 
 BLOB_BYTES = 64 * 4
@@ -56,6 +56,24 @@ def test_a_cycle_of_chats_larger_than_the_tiers_keeps_all_but_the_overflow():
     assert lru[1:] == [0, 0, 0]
     assert next_use[1:] == [22, 22, 22]  # the two that do not fit are rebuilt, no more
     assert tiers.stats.dropped == 2 * 4 and tiers.sessions_by_tier() == {"device": 11, "host": 11}
+
+
+def test_a_first_round_slower_than_the_prior_gap_abandons_no_session():
+    """48 chats, room for 38, a first round of 216 s (past twice the prior gap plus the slack):
+    before any chat has come back, none is taken for abandoned, so the 38 asked first are kept
+    (with the prior as evidence every follow-up was rebuilt, each rebuild pushing out the next)."""
+    clock = Clock()
+    tiers = store(clock, 8, 30)
+    hits = []
+    for r in range(3):
+        found = 0
+        for s in range(48):
+            found += r > 0 and tiers.get(f"t/s{s}") is not None
+            clock.now += 4.5
+            tiers.put(f"t/s{s}", blob())
+        hits.append(found)
+    assert 48 * 4.5 > 2 * PRIOR_GAP_S + SLACK_S
+    assert hits[1:] == [38, 38]
 
 
 def test_the_device_tier_holds_the_chats_due_next():
