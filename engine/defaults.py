@@ -84,7 +84,12 @@ def calibrated_dir() -> Path:
     ``KVSNAP_DEFAULTS_DIR``, default ``<KVSNAP_CACHE_DIR>/defaults`` (``~/.cache/kvsnap/defaults``)."""
     if os.environ.get("KVSNAP_DEFAULTS_DIR"):
         return Path(os.environ["KVSNAP_DEFAULTS_DIR"])
-    return Path(os.environ.get("KVSNAP_CACHE_DIR", Path.home() / ".cache" / "kvsnap")) / "defaults"
+    return cache_root() / "defaults"
+
+
+def cache_root() -> Path:
+    """kvsnap's cache folder: ``KVSNAP_CACHE_DIR``, default ``~/.cache/kvsnap`` (converted models, calibrations)."""
+    return Path(os.environ.get("KVSNAP_CACHE_DIR", Path.home() / ".cache" / "kvsnap"))
 
 
 def calibrated_path(model: str) -> Path:

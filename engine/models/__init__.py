@@ -23,6 +23,7 @@ from kvsnap.cpu_kernels import linear_vectors
 from kvsnap.errors import InvalidArgument
 
 from .. import capture
+from ..defaults import cache_root
 from . import lean
 from .fused import fuse
 from .packed import pack_linears
@@ -252,7 +253,7 @@ EMBEDDED = {"smollm2-135m": _embedded_smollm2_dir, "gemma3-270m": _embedded_gemm
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("KVSNAP_CACHE_DIR", Path.home() / ".cache" / "kvsnap"))
+    return cache_root()  # engine/defaults.py: the one place that reads KVSNAP_CACHE_DIR
 
 
 def _converted(gguf: Path, target: Path) -> str:
