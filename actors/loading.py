@@ -64,7 +64,7 @@ class Loading:
         return held, held.policy if held.policy is not None else policy_from_json(entry.policy)
 
     def _restore(self, session, entry, blob: KVBlob, transcript, marks, full: KVBlob | None) -> None:
-        session.cache = import_kv(self.engine.model.config, blob.tensors, blob.logical_len)
+        session.cache = import_kv(self.engine.model.config, blob.tensors, blob.logical_len, blob.cold)
         session.logical_len = blob.logical_len
         session.transcript = list(transcript)
         session.marks = list(marks)

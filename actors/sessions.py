@@ -25,6 +25,7 @@ from collections import Counter
 from contextlib import contextmanager
 
 from kvsnap.engine.cache import export_kv
+from kvsnap.engine.cold import export_cold
 from kvsnap.engine.engine import Engine
 from kvsnap.engine.session import Session
 from kvsnap.errors import Conflict, NotFound, Unavailable
@@ -183,7 +184,8 @@ class SessionStore(Loading, Rewinds, Liveness):
             updated.owner, updated.epoch, updated.last_turn = self.worker_id, self.epoch, turn_id
             updated.logical_len, updated.kept_len = session.logical_len, session.kept_len
             updated.kv_bytes, updated.turns = session.kv_bytes, session.turns
-            blob = KVBlob(export_kv(session.cache), session.logical_len, version=expected + 1)
+            cold = export_cold(session.cache)  # a mixed-precision session's quantized rows (engine/cold.py)
+            blob = KVBlob(export_kv(session.cache), session.logical_len, version=expected + 1, cold=cold)
             updated.tier = self.tiers.put(key, blob) or "dropped"
             self._store_full_copy(key, session, expected + 1)
             held = self.held.get(key)

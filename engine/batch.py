@@ -25,9 +25,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvsnap.cpu_kernels import chunk_attention, decode_attention, decode_rows
+from kvsnap.cpu_kernels import chunk_attention, cold_attention, decode_attention, decode_rows
 
 from .cache import BlockRows, CompressedLayer, SlidingLayer
+from .cold import ColdRows
 from .session import Session
 
 
@@ -71,6 +72,7 @@ class RaggedKV(list):
         self.spans, self.captures, self.window, self._masks = spans, captures, window, masks
         self.fast: decode_rows.OneTokenRows | None = None  # rows appended in C (their entries here: None)
         self.shared: dict[int, CompressedLayer] = {}  # keys' only: rows whose entry is only the rows after shared ones
+        self.cold: dict[int, ColdRows] = {}  # keys' only: rows whose layer also holds quantized rows (engine/cold.py)
 
     def mask(self, b: int) -> torch.Tensor | None:
         start, end = self.spans[b]
@@ -113,6 +115,9 @@ class BatchCache:
             if getattr(session_layer, "shared", None) is not None and end - start > 1:  # a chunk: kernel
                 k, v = session_layer.update_shared(key_states[:, :, start:end], value_states[:, :, start:end])
                 keys.shared[b] = session_layer
+            elif getattr(session_layer, "cold", None) is not None:  # its quantized rows: read in ragged_attention
+                k, v = session_layer.update_kept(key_states[:, :, start:end], value_states[:, :, start:end])
+                keys.cold[b] = session_layer.cold
             else:
                 k, v = session_layer.update(key_states[:, :, start:end], value_states[:, :, start:end])
             keys.append(k)
@@ -132,7 +137,8 @@ class BatchCache:
             b
             for b in self._single
             if (capture := self.rows[b].capture) is None or layer_idx not in capture.layers
-            if self.rows[b].session.cache.layers[layer_idx].is_initialized
+            if (layer := self.rows[b].session.cache.layers[layer_idx]).is_initialized
+            and getattr(layer, "cold", None) is None  # a layer with quantized rows: torch reads them
         ]
 
     def _mask(self, q: int, k: int, window: int | None, like: torch.Tensor) -> torch.Tensor | None:
@@ -176,6 +182,8 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
     own = _one_token_pays(query) and kwargs.get("softcap") is None
     fast = own and decode_attention.available()
     chunks = own and chunk_attention.available()
+    cold_kernel = own and cold_attention.available()
+    fused_cold = []  # the one-token rows with quantized rows the kernel takes (cpu_kernels/cold_attention.py)
     scale = kwargs.get("scaling")  # None: the function's own default (a capture records only a given one)
     kernel_scale = query.shape[-1] ** -0.5 if scale is None else scale  # what the C kernels are handed
     appended = keys.fast  # rows cpu_kernels/decode_rows.py appended: the kernel takes them, or they become views
@@ -196,7 +204,16 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
             keys[b], values[b] = referring.keys, referring.values  # copied in: one buffer, as any other row's
             referring = None
         if capture is not None and layer_idx in capture.layers:
-            capture.add(layer_idx, q, scale, keys[b])
+            capture.add(layer_idx, q, scale, keys[b])  # a layer's kept rows (an evictor scores those)
+        if (cold := keys.cold.get(b)) is not None:
+            view = None
+            if own and end - start == 1 and cold_kernel and cold_attention.takes(q, keys[b], values[b]):
+                view = cold_attention.segments(cold)  # None: the kernel cannot read these rows
+            if view is not None:
+                fused_cold.append((b, q, view))
+                outputs.append(None)
+                continue
+            keys[b], values[b] = cold.before(keys[b], values[b])
         if own and end - start == 1:
             if fast and decode_attention.takes(q, keys[b], values[b]):
                 fused.append((b, q))
@@ -214,6 +231,13 @@ def ragged_attention(attend, module, query: torch.Tensor, keys: RaggedKV, values
         done = decode_attention.one_token_rows(
             queries, [keys[b] for b in rows], [values[b] for b in rows], kernel_scale
         )
+        for b, out in zip(rows, done, strict=True):
+            outputs[b] = out
+    if fused_cold:
+        rows = [b for b, _, _ in fused_cold]
+        queries, views = [q for _, q, _ in fused_cold], [view for _, _, view in fused_cold]
+        rows_k, rows_v = [keys[b] for b in rows], [values[b] for b in rows]
+        done = cold_attention.one_token_rows(queries, rows_k, rows_v, views, kernel_scale)
         for b, out in zip(rows, done, strict=True):
             outputs[b] = out
     if appended is not None:

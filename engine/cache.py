@@ -1,13 +1,11 @@
-"""The per-session KV cache: a transformers ``DynamicCache`` whose full-attention
-layers can be compressed in place.
+"""The per-session KV cache: a transformers ``DynamicCache`` whose full-attention layers can be
+compressed in place (rows dropped, or kept quantized: ``cold``, engine/cold.py).
 
-Two lengths per session: ``logical_len`` is how many tokens the
-session has seen (the next RoPE position); ``kept_len`` is how many rows a full
-layer physically holds. :class:`CompressedLayer` reports ``logical_len`` as its
-sequence length and places its kept rows just before the new tokens in mask
-space (a virtual offset), so position ids stay logical for every layer, sliding
-window layers keep working, and the library's own mask code builds the right
-causal mask.
+Two lengths per session: ``logical_len`` is how many tokens the session has seen (the next
+RoPE position); ``kept_len`` is how many rows a full layer holds at the cache's precision.
+:class:`CompressedLayer` reports ``logical_len`` as its sequence length and places its rows just
+before the new tokens in mask space (a virtual offset), so position ids stay logical for every
+layer, sliding window layers keep working, and the library's own mask code builds the right mask.
 
 Rows live in a buffer that grows by blocks (:class:`BlockRows`): a decode step writes one row
 per layer in place instead of concatenating the whole cache again (transformers' own
@@ -25,6 +23,9 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvsnap.policies import gather_rows
+from kvsnap.policies.kivi import KIVI
+
+from .cold import ColdRows, fill_cold
 
 BLOCK_ROWS = 128  # spare rows a layer's buffer gets when it grows (one copy per this many tokens)
 
@@ -155,18 +156,33 @@ class BlockRows:
 
 
 class CompressedLayer(BlockRows, DynamicLayer):
-    """A full-attention layer whose rows may be a subset of the positions seen."""
+    """A full-attention layer whose rows may be a subset of the positions seen, and may also
+    hold the rows a selection left out at low precision (``cold``, engine/cold.py): attention
+    reads those first, then the kept rows."""
 
     def __init__(self, **kwargs):
         self._init_rows()
         super().__init__()
         self.logical_len = 0
+        self.cold: ColdRows | None = None
 
     def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = self.update_kept(key_states, value_states)
+        return (keys, values) if self.cold is None else self.cold.before(keys, values)
+
+    def update_kept(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
+        """:meth:`update` returning the kept rows only (a packed step reads :attr:`cold` itself)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.logical_len += key_states.shape[-2]
         return self._append(key_states, value_states)
+
+    @property
+    def cold_len(self) -> int:
+        return 0 if self.cold is None else self.cold.rows
+
+    def held_bytes(self) -> int:
+        return super().held_bytes() + (0 if self.cold is None else self.cold.nbytes())
 
     def claim(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
         """:meth:`update` with one token whose key and value the caller writes: the buffers, the
@@ -191,12 +207,19 @@ class CompressedLayer(BlockRows, DynamicLayer):
         return self.logical_len
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # kv rows: kept + new; kept row i sits at virtual position (logical - kept) + i.
-        return self.kept_len + query_length, self.logical_len - self.kept_len
+        # kv rows: cold + kept + new; row i of them sits at virtual position (logical - held) + i.
+        held = self.cold_len + self.kept_len
+        return held + query_length, self.logical_len - held
 
-    def keep(self, positions: torch.Tensor) -> None:
+    def keep(self, positions: torch.Tensor, rest: KIVI | None = None) -> None:
         """Keep only ``positions`` ([1, H_kv, k], ascending physical rows); of shared rows, only
-        those (never copied in whole)."""
+        those (never copied in whole). ``rest``: the other rows go to :attr:`cold`, quantized
+        by it, instead of being dropped."""
+        if rest is not None:
+            self.own()
+            if self.cold is None:
+                self.cold = ColdRows()
+            self.cold.add_left_out(rest, self.keys, self.values, positions)
         if self.shared is not None:
             keys, values = self.shared.gather(*self.own_rows(), positions)
         else:
@@ -295,10 +318,13 @@ def export_kv(cache: DynamicCache) -> list[torch.Tensor]:
     return tensors
 
 
-def import_kv(config, tensors: list[torch.Tensor], logical_len: int) -> DynamicCache:
-    """Rebuild a session cache for ``config`` from :func:`export_kv` tensors at ``logical_len`` tokens."""
+def import_kv(config, tensors: list[torch.Tensor], logical_len: int, cold: tuple | None = None) -> DynamicCache:
+    """Rebuild a session cache for ``config`` from :func:`export_kv` tensors at ``logical_len``
+    tokens, and ``cold`` (engine/cold.py ``export_cold``'s parts and layout) if any."""
     cache = new_session_cache(config)
     fill_kv(cache, tensors, logical_len)
+    if cold is not None:
+        fill_cold(cache, *cold)
     return cache
 
 

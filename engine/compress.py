@@ -18,6 +18,7 @@ from kvsnap.policies.kvzap import Surrogate, trained_for, weights_path
 from .batch import Row
 from .cache import CompressedLayer, export_kv, full_layer_indices, import_kv
 from .capture import ReconstructionCapture, WindowCapture
+from .cold import rest_kivi
 from .prefix_rows import keys_for
 from .session import Session
 from .spans import layer_spans, span_ends
@@ -71,7 +72,7 @@ class Compression:
                 layer: CompressedLayer = session.cache.layers[idx]
                 positions = scored.keep_scored(layer_scores.to(layer.keys.device), layer.kept_len, spans=spans)
                 if positions.shape[-1] < layer.kept_len:
-                    layer.keep(positions)
+                    layer.keep(positions, rest_kivi(session.policy))
             return
         by_old: dict[int, torch.Tensor | None] = {}  # span ids by rows kept from earlier turns
         for idx in captured.layers:
@@ -86,7 +87,7 @@ class Compression:
                 captured.queries[idx], keys, scale, logical_len=session.logical_len, spans=spans
             )
             if positions.shape[-1] < layer.kept_len:
-                layer.keep(positions)
+                layer.keep(positions, rest_kivi(session.policy))  # the rest dropped, or quantized
 
     @torch.inference_mode()
     def _reconstruction_scores(self, session: Session, context: list[int]) -> dict[int, torch.Tensor]:

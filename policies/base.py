@@ -22,6 +22,10 @@ from kvsnap.errors import InvalidArgument
 # the CLI flags and ``kvsnap eval`` specs all read them there.
 POLICIES: dict[str, type[Policy]] = {}
 
+# What happens to the rows a selection does not keep: dropped (eviction), or kept at 2 or 4
+# bits (KIVI groups) beside the selected rows, which stay at the cache's precision (engine/cold.py)
+RESTS = ("drop", "kivi2", "kivi4")
+
 
 @dataclass(frozen=True, slots=True)
 class Policy:
@@ -30,6 +34,9 @@ class Policy:
     ``floor`` (with a ratio, or a scored policy's ``tau``): the fewest prefix rows a selection
     keeps, so a prefix of ``floor`` rows or fewer is kept whole (a ratio alone halves a
     two-sentence document too). 0: none.
+
+    ``rest``: the rows the selection leaves out are dropped (``drop``) or kept KIVI-quantized
+    at 4 or 2 bits (``kivi4`` / ``kivi2``: mixed precision; attention reads both).
 
     Subclasses implement :meth:`score`. ``window`` is also how many trailing
     prompt tokens the engine records queries for (the observation window).
@@ -42,9 +49,12 @@ class Policy:
     budget: int = 512
     ratio: float | None = None
     floor: int = 0
+    rest: str = "drop"
 
     def __post_init__(self) -> None:
         _check_int("window", self.window, minimum=1)
+        if self.rest not in RESTS:
+            raise InvalidArgument(f"rest must be one of {', '.join(RESTS)}, got {self.rest!r}")
         _check_int("budget", self.budget, minimum=1)
         if self.ratio is not None and not (isinstance(self.ratio, float | int) and 0.0 < self.ratio < 1.0):
             raise InvalidArgument(f"ratio must be a number in (0, 1), got {self.ratio!r}")
@@ -138,7 +148,7 @@ class Policy:
 
 class Wrapper:
     """Mixin for a policy that selects rows as the policy it wraps does (``wrapped``): Compose
-    and Reselect. Its ``window``, ``budget``, ``ratio`` and ``floor`` mirror the wrapped policy's (the
+    and Reselect. Its ``window``, ``budget``, ``ratio``, ``floor`` and ``rest`` mirror the wrapped policy's (the
     window is the observation window the engine captures); call :meth:`_mirror` after checks."""
 
     __slots__ = ()
@@ -148,7 +158,7 @@ class Wrapper:
         raise NotImplementedError
 
     def _mirror(self) -> None:
-        for name in ("window", "budget", "ratio", "floor"):
+        for name in ("window", "budget", "ratio", "floor", "rest"):
             object.__setattr__(self, name, getattr(self.wrapped, name))
 
     @property

@@ -66,7 +66,7 @@ class Evictor:
 @dataclass(frozen=True, slots=True)
 class Compose(Wrapper, Policy):
     """``prefill``'s selection when a prompt is prefilled, ``decode``'s eviction while decoding.
-    ``window``, ``budget``, ``ratio`` and ``floor`` mirror the prefill policy's."""
+    ``window``, ``budget``, ``ratio``, ``floor`` and ``rest`` mirror the prefill policy's."""
 
     name = "compose"
 
@@ -74,6 +74,7 @@ class Compose(Wrapper, Policy):
     budget: int = field(init=False, default=0)
     ratio: float | None = field(init=False, default=None)
     floor: int = field(init=False, default=0)
+    rest: str = field(init=False, default="drop")
     prefill: Policy | None = None
     decode: Policy | None = None
 

@@ -26,11 +26,14 @@ class Reselect(Wrapper, Policy):
     budget: int = field(init=False, default=0)
     ratio: float | None = field(init=False, default=None)
     floor: int = field(init=False, default=0)
+    rest: str = field(init=False, default="drop")
     inner: Policy | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner, Policy) or self.inner.reselects:
             raise InvalidArgument("reselect wraps a policy that selects rows (not itself a re-selection)")
+        if self.inner.rest != "drop":  # the full copy keeps every row at full precision already
+            raise InvalidArgument("recompress='reselect' keeps every row in its full copy: rest must be drop")
         if self.inner.decoder() is not None:
             # re-selection appends every row generated since the last turn to the full copy; a
             # decode-time evictor has dropped some of them from the device cache already

@@ -28,6 +28,7 @@ class PolicyDefaults(BaseModel):
     kernel: int | None = Field(None, ge=1, description="pooling kernel (odd)")
     pooling: str | None = Field(None, description="max | avg (snapkv)")
     spans: bool | None = Field(None, description="keep sentence spans whole (snapkv, kvzip, kvzap)")
+    rest: str | None = Field(None, description="rows a selection leaves out: drop | kivi4 | kivi2 (mixed precision)")
     recompress: str | None = Field(None, description="per_turn | never | reselect")
 
 

@@ -122,16 +122,17 @@ def round_trip(engine, session, kivi) -> int:
     from kvsnap.engine.cache import import_kv
 
     packed = _at_rest(session).packed(kivi)  # what the tier stores (store/tiers.py)
-    session.cache = import_kv(engine.model.config, packed.unpacked().tensors, session.logical_len)
+    session.cache = import_kv(engine.model.config, packed.unpacked().tensors, session.logical_len, packed.cold)
     return packed.nbytes
 
 
 def _at_rest(session):
     """The session's KV as a tier blob."""
     from kvsnap.engine.cache import export_kv
+    from kvsnap.engine.cold import export_cold
     from kvsnap.store.tiers import KVBlob
 
-    return KVBlob(export_kv(session.cache), session.logical_len, version=0)
+    return KVBlob(export_kv(session.cache), session.logical_len, version=0, cold=export_cold(session.cache))
 
 
 class OverHTTP:

@@ -25,7 +25,7 @@ def _spec_pattern() -> re.Pattern:
     return re.compile(
         rf"^(?P<policy>full|(?:{'|'.join(prefill)}):(?:(?P<budget>[1-9][0-9]*)|r(?P<ratio>0?\.[0-9]+)"
         r"|t(?P<tau>-?[0-9]+(?:\.[0-9]+)?))(?:/f(?P<floor>[1-9][0-9]*))?(?:/k(?P<kernel>[1-9][0-9]*))?"
-        r"(?P<spans>/s)?)"
+        r"(?P<spans>/s)?(?:/q(?P<rest>[24]))?)"
         rf"(?:\+(?P<decode>{'|'.join(decode)}):(?P<decode_budget>[1-9][0-9]*))?"
         r"(?:@(?P<quant>kivi2|kivi4))?$"
     )
@@ -42,7 +42,9 @@ class PolicySpec:
     a threshold keeps at least n rows (``snapkv:r0.5/f512``: a prefix of 512 rows or fewer stays
     whole); ``/k<n>`` after that sets
     the pooling kernel of a policy that has one (``kvzip:r0.33/k1``: no pooling), and ``/s`` after
-    that keeps sentence spans whole (``snapkv:r0.5/s``; snapkv, kvzip, kvzap).
+    that keeps sentence spans whole (``snapkv:r0.5/s``; snapkv, kvzip, kvzap); ``/q4`` or ``/q2``
+    last keeps the rows the selection leaves out at 4 or 2 bits instead of dropping them
+    (``snapkv:r0.25/s/q4``: mixed precision, engine/cold.py).
 
     Prefill: ``full`` | ``snapkv:B`` | ``reselect:B`` | ``streaming:B`` | ``h2o:B`` |
     ``scissorhands:B``. Each compressing one holds B + the observation window rows per KV
@@ -71,6 +73,7 @@ class PolicySpec:
     kernel: int | None = None  # ``kvzip:r0.33/k1``: the policy's pooling kernel instead of its default
     spans: bool = False  # ``snapkv:r0.5/s``: sentence spans kept whole (engine/spans.py)
     floor: int = 0  # ``snapkv:r0.5/f512``: a share keeps at least that many rows
+    rest: str = ""  # ``snapkv:r0.25/q4``: the rows left out kept at 4 bits (kivi4), not dropped
 
     @classmethod
     def parse(cls, text: str) -> PolicySpec:
@@ -86,6 +89,8 @@ class PolicySpec:
             raise InvalidArgument(f"policy spec {text!r}: streaming keeps a fixed window, not a share (r<share>)")
         if m["tau"] is not None and policy not in ("kvzip", "kvzap"):
             raise InvalidArgument(f"policy spec {text!r}: a threshold (t<log score>) is for kvzip and kvzap only")
+        if m["rest"] and policy == "reselect":
+            raise InvalidArgument(f"policy spec {text!r}: reselect keeps every row in its full copy (no /q)")
         if m["floor"] and m["ratio"] is None and m["tau"] is None:
             raise InvalidArgument(f"policy spec {text!r}: a floor (/f<rows>) follows a share (r<share>) or a threshold")
         return cls(
@@ -100,6 +105,7 @@ class PolicySpec:
             int(m["kernel"]) if m["kernel"] else None,
             bool(m["spans"]),
             int(m["floor"] or 0),
+            f"kivi{m['rest']}" if m["rest"] else "",
         )
 
     def settings(self, window: int) -> dict:
@@ -123,6 +129,8 @@ class PolicySpec:
                 out["floor"] = self.floor
         if self.kernel is not None:
             out["kernel"] = self.kernel
+        if self.rest:
+            out["rest"] = self.rest
         if self.policy != "full" and "spans" in policy_params(out["policy"]):
             out["spans"] = self.spans  # spelled out: a service's default may differ
         elif self.spans:
@@ -171,6 +179,8 @@ def spec_text(settings: dict) -> str:
         text += f"/k{kernel}"
     if rest.pop("spans", False):
         text += "/s"
+    if (kept := rest.pop("rest", "drop")) != "drop":
+        text += f"/q{kept[-1]}"
     if rest or (size is None and budget is None):
         raise InvalidArgument(f"no policy spec says {settings}")
     return text

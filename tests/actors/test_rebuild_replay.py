@@ -28,6 +28,8 @@ POLICIES = {
     "snapkv": (lambda: make_policy("snapkv", budget=16, window=8, kernel=3), "per_turn"),
     "reselect": (lambda: make_policy("snapkv", budget=16, window=8, kernel=3), "reselect"),
     "streaming": (lambda: make_policy("streaming", window=12, sinks=4), "per_turn"),
+    # mixed precision: the rows left out kept at 4 bits (engine/cold.py), two key groups of them
+    "snapkv/q4": (lambda: make_policy("snapkv", budget=16, window=8, kernel=3, rest="kivi4"), "per_turn"),
     "snapkv+h2o": (
         lambda: make_policy(
             "snapkv", budget=16, window=8, kernel=3, decode={"policy": "h2o", "budget": 8, "window": 4}
@@ -49,7 +51,9 @@ def run_turns(worker: Worker, sid: str, questions: list[list[int]]) -> list[tupl
 
 
 def stored_kv(worker: Worker, sid: str) -> list[torch.Tensor]:
-    return worker.store.peek(f"acme/{sid}").tensors
+    """The session's stored tensors, then its quantized rows' parts (a mixed-precision session's)."""
+    blob = worker.store.peek(f"acme/{sid}")
+    return blob.tensors + ([] if blob.cold is None else blob.cold[0])
 
 
 def open_session(worker: Worker, sid: str, spec: str) -> None:

@@ -48,7 +48,9 @@ def _resume(engine, first, follow, other: Engine, variant, monkeypatch):
     session = _session(engine)
     engine.turn(session, first, GREEDY)
     kept, keep = [], CompressedLayer.keep
-    monkeypatch.setattr(CompressedLayer, "keep", lambda layer, rows: (kept.append(rows.clone()), keep(layer, rows))[1])
+    monkeypatch.setattr(
+        CompressedLayer, "keep", lambda layer, rows, *rest: (kept.append(rows.clone()), keep(layer, rows, *rest))[1]
+    )
     with build.use(variant):
         logits = other.prefill(session, follow[:-1]).float().flatten()
         answer = other.turn(session, follow[-1:], GREEDY)

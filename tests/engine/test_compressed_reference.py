@@ -38,6 +38,9 @@ ATOL_BF16 = 0.15  # bf16 rounds every layer's output to 8 bits: measured at most
 
 # bool [H_kv, T, T] per layer index (True = query row may attend to key column); set per forward
 _masks: dict[int, torch.Tensor] = {}
+# per layer index, (first query row, keys, values): query rows from there on read these prefix
+# rows instead of the forward's own (tests/engine/test_mixed_precision.py: quantized ones)
+_prefix_rows: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
 
 
 def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -50,9 +53,18 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
     assert mask.shape == (kv_heads, length, key.shape[2])
     scale = dim**-0.5 if scaling is None else scaling
     q = query.float().view(batch, kv_heads, group, length, dim)  # query head g * group + r reads KV head g
-    logits = q @ key.float().unsqueeze(2).transpose(-1, -2) * scale  # [B, H_kv, G, T, T]
-    logits = logits.masked_fill(~mask[None, :, None], float("-inf"))
-    out = logits.softmax(dim=-1) @ value.float().unsqueeze(2)  # [B, H_kv, G, T, D]
+
+    def attend(key, value):
+        logits = q @ key.float().unsqueeze(2).transpose(-1, -2) * scale  # [B, H_kv, G, T, T]
+        logits = logits.masked_fill(~mask[None, :, None], float("-inf"))
+        return logits.softmax(dim=-1) @ value.float().unsqueeze(2)  # [B, H_kv, G, T, D]
+
+    out = attend(key, value)
+    if module.layer_idx in _prefix_rows:
+        first, prefix_keys, prefix_values = _prefix_rows[module.layer_idx]
+        n = prefix_keys.shape[2]
+        other = attend(torch.cat([prefix_keys, key[:, :, n:]], 2), torch.cat([prefix_values, value[:, :, n:]], 2))
+        out[..., first:, :] = other[..., first:, :]
     return out.reshape(batch, heads, length, dim).transpose(1, 2).contiguous().to(query.dtype), None
 
 
@@ -106,30 +118,36 @@ def build_masks(config, total: int, prefix: int, kept: dict[int, list[set[int]]]
 
 
 @torch.inference_mode()
-def reference_logits(model, tokens: list[int], masks: dict, positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits at every position [T, V] of one uncached forward pass with the given masks."""
+def reference_logits(
+    model, tokens: list[int], masks: dict, positions: torch.Tensor | None = None, prefix_rows: dict | None = None
+) -> torch.Tensor:
+    """Logits at every position [T, V] of one uncached forward pass with the given masks (and
+    ``prefix_rows``: see :data:`_prefix_rows`)."""
     _masks.clear()
     _masks.update({k: v.to(model.device) for k, v in masks.items()})
+    _prefix_rows.update(prefix_rows or {})
     try:
         ids = torch.tensor([tokens], dtype=torch.long, device=model.device)
         pos = None if positions is None else positions.unsqueeze(0).to(model.device)
         return model(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float()
     finally:
         _masks.clear()
+        _prefix_rows.clear()
 
 
-def compressed_session(engine: Engine, prompt: list[int], monkeypatch):
+def compressed_session(engine: Engine, prompt: list[int], monkeypatch, rest: str = "drop"):
     """A SnapKV session after its first turn, and the prefix positions each full layer's KV heads
-    kept (recorded where the engine applies the selection: ``CompressedLayer.keep``)."""
+    kept (recorded where the engine applies the selection: ``CompressedLayer.keep``); ``rest``:
+    the policy's (the rows left out dropped or quantized)."""
     recorded: dict[int, torch.Tensor] = {}
     original = CompressedLayer.keep
 
-    def keep(layer, positions):
+    def keep(layer, positions, *args):
         recorded[id(layer)] = positions.detach().cpu().clone()
-        return original(layer, positions)
+        return original(layer, positions, *args)
 
     monkeypatch.setattr(CompressedLayer, "keep", keep)
-    policy = make_policy("snapkv", budget=BUDGET, window=WINDOW, kernel=3)
+    policy = make_policy("snapkv", budget=BUDGET, window=WINDOW, kernel=3, rest=rest)
     session = engine.new_session(policy, recompress="never")  # the follow-up appends, nothing is reselected
     engine.prefill(session, prompt)
     monkeypatch.setattr(CompressedLayer, "keep", original)
@@ -138,10 +156,10 @@ def compressed_session(engine: Engine, prompt: list[int], monkeypatch):
     for idx in full_layer_indices(session.cache):
         layer = session.cache.layers[idx]
         positions = recorded[id(layer)]  # [1, H_kv, k]: rows of the first turn = logical positions
-        assert positions.shape[-1] == BUDGET + WINDOW == layer.kept_len < PROMPT  # really compressed
+        assert positions.shape[-1] == BUDGET + WINDOW == layer.kept_len < len(prompt)  # really compressed
         kept[idx] = [set(positions[0, h].tolist()) for h in range(positions.shape[1])]
         for rows in kept[idx]:
-            assert len(rows) == BUDGET + WINDOW and set(range(PROMPT - WINDOW, PROMPT)) <= rows
+            assert len(rows) == BUDGET + WINDOW and set(range(len(prompt) - WINDOW, len(prompt))) <= rows
     assert sorted(kept) == [i for i, t in enumerate(layer_types(engine.model.config)) if t == "full_attention"]
     return session, kept
 

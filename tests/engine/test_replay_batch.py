@@ -22,6 +22,7 @@ POLICIES = {  # small budgets so that every turn drops rows
     "snapkv": (lambda: make_policy("snapkv", budget=24, window=8, kernel=3), "per_turn"),
     "reselect": (lambda: make_policy("snapkv", budget=24, window=8, kernel=3), "reselect"),
     "snapkv+h2o": (lambda: make_policy("snapkv", budget=24, window=8, kernel=3, decode=H2O), "per_turn"),
+    "snapkv/q4": (lambda: make_policy("snapkv", budget=24, window=8, kernel=3, rest="kivi4"), "per_turn"),
 }
 
 
@@ -41,6 +42,10 @@ def assert_same_cache(got, want, tol: float = 0.0) -> None:
     assert got.logical_len == want.logical_len and got.transcript == want.transcript and got.marks == want.marks
     pairs = [(a.keys, b.keys) for a, b in zip(got.cache.layers, want.cache.layers, strict=True)]
     pairs += [(a.values, b.values) for a, b in zip(got.cache.layers, want.cache.layers, strict=True)]
+    for a, b in zip(got.cache.layers, want.cache.layers, strict=True):  # a mixed-precision session's quantized rows
+        assert (getattr(a, "cold", None) is None) == (getattr(b, "cold", None) is None)
+        if getattr(b, "cold", None) is not None:
+            pairs += list(zip(a.cold.dequantized(), b.cold.dequantized(), strict=True))
     if want.full_kv is not None:  # a reselect session's full copy, row for row
         assert got.full_kv.keys() == want.full_kv.keys() and got.full_len == want.full_len
         pairs += [(got.full_kv[idx][i], kv[i]) for idx, kv in want.full_kv.items() for i in (0, 1)]

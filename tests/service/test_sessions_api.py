@@ -1,6 +1,6 @@
 """The sessions API end to end, over HTTP and gRPC: a real local Ray Serve app (tiny-llama, 2
 replicas), a real redis-server. Three turns equal the in-process engine's; a raw gRPC turn; a
-client that goes away; re-selection and decode-time eviction through the service."""
+client that goes away; re-selection, decode-time eviction and mixed precision through the service."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 
 import requests
 
+from kvsnap.policies import make_policy
 from kvsnap.service.grpc_stubs import pb2
 
 from .helpers import DOC, FULL, QUESTIONS, create, entry, grpc_stub, md, reference_answers, turn
@@ -126,3 +127,29 @@ def test_decode_time_eviction_over_http_and_grpc_keeps_sessions_within_capacity(
     chunks = list(stub.Turn(pb2.TurnRequest(session_id="dec-grpc", message=QUESTIONS[0]), metadata=md()))
     done = chunks[-1]
     assert done.done and done.state.kept_len <= 2 + 6 and "+decode:streaming(" in done.state.policy
+
+
+def test_mixed_precision_sessions_over_http_and_grpc(service, llama_engine):
+    """``rest``: the rows SnapKV leaves out kept at 4 bits (HTTP) or 2 (gRPC's params map): the
+    answers are the in-process engine's with the same policy, and the session holds more bytes
+    than one that drops those rows."""
+    params = {"budget": 16, "window": 8, "kernel": 3, "rest": "kivi4"}
+    mixed = {"policy": "snapkv"} | params
+    want = reference_answers(llama_engine, DOC, QUESTIONS[:2], 6, policy=make_policy("snapkv", **params))
+    assert create(service, "mixed-http", mixed).status_code == 201
+    answers = [turn(service, "mixed-http", q).json() for q in QUESTIONS[:2]]
+    assert [a["text"] for a in answers] == want
+    assert "rest=kivi4" in answers[-1]["state"]["policy"]
+    assert create(service, "dropped-http", mixed | {"rest": "drop"}).status_code == 201
+    dropped = [turn(service, "dropped-http", q).json() for q in QUESTIONS[:2]]
+    assert answers[-1]["state"]["kept_len"] == dropped[-1]["state"]["kept_len"]  # the same rows at full precision
+    assert answers[-1]["state"]["kv_bytes"] > dropped[-1]["state"]["kv_bytes"]
+    bad = create(service, "mixed-bad", mixed | {"rest": "kivi3"})
+    assert bad.status_code == 400 and "rest must be one of" in bad.text
+
+    stub = grpc_stub(service)
+    settings = pb2.SessionSettings(policy="snapkv", budget=16, window=8, params={"rest": "kivi2"})
+    request = pb2.CreateSessionRequest(session_id="mixed-grpc", document=DOC, settings=settings)
+    stub.CreateSession(request, metadata=md())
+    done = list(stub.Turn(pb2.TurnRequest(session_id="mixed-grpc", message=QUESTIONS[0]), metadata=md()))[-1]
+    assert done.done and "rest=kivi2" in done.state.policy
