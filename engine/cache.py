@@ -8,13 +8,11 @@ before the new tokens in mask space (a virtual offset), so position ids stay log
 layer, sliding window layers keep working, and the library's own mask code builds the right mask.
 
 Rows live in a buffer that grows by blocks (:class:`BlockRows`): a decode step writes one row
-per layer in place instead of concatenating the whole cache again (transformers' own
-``DynamicLayer`` copies every row on every token). ``keys`` / ``values`` are views of the
-rows in use; sliding-window layers move their start forward and compact when the buffer is
-full, so a Gemma 3 sliding layer copies its window once per block of tokens, not per token.
-A full layer of a session started from a shared prefix may hold only the rows after it and
-refer to the prefix's (``shared``, engine/prefix_rows.py): any use but a prompt chunk's append
-and attention copies them in first (:meth:`BlockRows.own`).
+per layer in place (transformers' ``DynamicLayer`` copies every row on every token);
+``keys`` / ``values`` are views of the rows in use, and a sliding layer compacts its window
+once per block of tokens. A full layer of a session started from a shared prefix may refer to
+the prefix's rows (``shared``, engine/prefix_rows.py): any use but a prompt chunk's append and
+attention copies them in first (:meth:`BlockRows.own`).
 """
 
 from __future__ import annotations
@@ -177,10 +175,6 @@ class CompressedLayer(BlockRows, DynamicLayer):
         self.logical_len += key_states.shape[-2]
         return self._append(key_states, value_states)
 
-    @property
-    def cold_len(self) -> int:
-        return 0 if self.cold is None else self.cold.rows
-
     def held_bytes(self) -> int:
         return super().held_bytes() + (0 if self.cold is None else self.cold.nbytes())
 
@@ -208,7 +202,7 @@ class CompressedLayer(BlockRows, DynamicLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # kv rows: cold + kept + new; row i of them sits at virtual position (logical - held) + i.
-        held = self.cold_len + self.kept_len
+        held = self.kept_len + (0 if self.cold is None else self.cold.rows)
         return held + query_length, self.logical_len - held
 
     def keep(self, positions: torch.Tensor, rest: KIVI | None = None) -> None:

@@ -3,9 +3,11 @@
 Runs the fact sweep (``kvsnap eval --tasks facts``: documents of varied prose stating facts once,
 asked one per turn over the chat template, in-process, greedy) on the model with full KV and
 with each candidate: SnapKV keeping a share of each layer's rows (sentence spans, a floor of
-512 rows) at every share of ``--ratios``, and KVzap at the same shares where a surrogate for
-the model ships. The default is the candidate that holds the fewest bytes (measured: what the
-session holds after each turn, over full KV's) while its first questions answer at least
+512 rows) at every share of ``--ratios``, KVzap at the same shares where a surrogate for
+the model ships, and mixed precision: SnapKV keeping each share of ``--mixed-ratios`` at the
+cache's precision and the other rows at each of ``--bits`` (engine/cold.py). The default is
+the candidate that holds the fewest bytes (measured: what the session holds after each turn,
+over full KV's) while its first questions answer at least
 ``--turn1`` x what full KV answers and its follow-ups at least ``--follow-ups`` x; full KV
 where none does. The result, with the whole table, goes where the engine finds it
 (engine/defaults.py: :func:`~kvsnap.engine.defaults.calibrated_path`); ``kvsnap serve``
@@ -23,9 +25,12 @@ from .clients import DTYPES, csv
 FLOOR = 512  # the floor of every candidate share (engine/defaults.py's FLOOR)
 
 
-def candidates(model: str, ratios: tuple[float, ...]) -> list[str]:
-    """Full KV and the policy specs swept on ``model``: SnapKV at each share, and KVzap at each
-    where a surrogate for the model ships."""
+def candidates(
+    model: str, ratios: tuple[float, ...], mixed: tuple[float, ...] = (), bits: tuple[int, ...] = ()
+) -> list[str]:
+    """Full KV and the policy specs swept on ``model``: SnapKV at each share, KVzap at each
+    where a surrogate for the model ships, and SnapKV at each ``mixed`` share with the rest of
+    the rows at each of ``bits`` (no floor: the rows left out are not lost)."""
     from kvsnap.policies.kvzap import weights_path
 
     policies = ["snapkv"]
@@ -34,7 +39,8 @@ def candidates(model: str, ratios: tuple[float, ...]) -> list[str]:
             policies.append("kvzap")
     except Exception:  # noqa: BLE001 - a name no surrogate file can have: no KVzap candidates
         pass
-    return ["full"] + [f"{p}:r{r:g}/f{FLOOR}/s" for p in policies for r in sorted(ratios)]
+    evicting = [f"{p}:r{r:g}/f{FLOOR}/s" for p in policies for r in sorted(ratios)]
+    return ["full", *evicting, *(f"snapkv:r{r:g}/s/q{b}" for b in sorted(bits) for r in sorted(mixed))]
 
 
 def choose(summary: dict, turn1: float, follow_ups: float) -> tuple[str, list[dict]]:
@@ -66,6 +72,8 @@ def check_args(args) -> None:
         raise SystemExit("kvsnap calibrate: --ratios must be shares in (0, 1), e.g. 0.25,0.5,0.75")
     if not (0.0 <= args.turn1 <= 1.0 and 0.0 <= args.follow_ups <= 1.0):
         raise SystemExit("kvsnap calibrate: --turn1 and --follow-ups must lie in [0, 1]")
+    if any(not 0.0 < r < 1.0 for r in args.mixed_ratios) or any(b not in (2, 4) for b in args.bits):
+        raise SystemExit("kvsnap calibrate: --mixed-ratios must be shares in (0, 1), --bits 2 and/or 4")
     if not args.lengths or min(args.lengths) < 256 or args.seeds < 1 or not 2 <= args.keys <= 8:
         raise SystemExit("kvsnap calibrate: --lengths of at least 256 tokens, --seeds >= 1, --keys in [2, 8]")
 
@@ -81,7 +89,7 @@ def cmd_calibrate(args) -> int:
     check_args(args)
     print(f"loading model {args.model!r}...", file=sys.stderr, flush=True)
     engine = Engine(load_model(args.model, dtype=args.dtype))
-    specs = candidates(args.model, tuple(args.ratios))
+    specs = candidates(args.model, tuple(args.ratios), tuple(args.mixed_ratios), tuple(args.bits))
     spec = quality.EvalSpec(tasks=("facts",), lengths=tuple(args.lengths), policies=tuple(specs), keys=args.keys,
                             seeds=args.seeds)  # fmt: skip
     cases = quality.build_cases(engine.tokenizer, spec)
@@ -131,6 +139,13 @@ def add_calibrate_parser(sub) -> None:
     cal.add_argument("--keys", type=int, default=4, help="facts per document, one asked per turn (default 4)")
     cal.add_argument("--ratios", type=csv(float), default=[0.25, 0.5, 0.75, 0.875],
                      help="the shares of rows swept (default 0.25,0.5,0.75,0.875)")  # fmt: skip
+    cal.add_argument(
+        "--mixed-ratios",
+        type=csv(float),
+        default=[0.0625, 0.125, 0.25],
+        help="mixed precision: the shares kept at the cache's precision (default 0.0625,0.125,0.25)",
+    )
+    cal.add_argument("--bits", type=csv(int), default=[4, 2], help="mixed precision: the rest's bits (default 4,2)")
     cal.add_argument("--turn1", type=float, default=0.95, help="first questions, at least this x full KV's")
     cal.add_argument("--follow-ups", type=float, default=0.9, help="follow-ups, at least this x full KV's")
     cal.add_argument("--out", default=None, help="the result's file (default: where the engine finds it)")

@@ -73,7 +73,7 @@ def test_a_mixed_follow_up_equals_a_forward_that_quantizes_the_rows_left_out(
     tiny_engine.prefill(full, prompt)
     for idx in kept:
         layer = session.cache.layers[idx]
-        assert layer.kept_len == BUDGET + WINDOW and layer.cold_len == PROMPT - BUDGET - WINDOW
+        assert layer.kept_len == BUDGET + WINDOW and layer.cold.rows == PROMPT - BUDGET - WINDOW
     every_row = build_masks(config, len(transcript), PROMPT, None)
     ref = reference_logits(model, transcript, every_row, prefix_rows=quantized_prefix(full, kept, bits, model.dtype))
 

@@ -43,13 +43,17 @@ def test_candidates_sweep_kvzap_only_where_a_surrogate_ships():
     assert embedded == ["full", "snapkv:r0.25/f512/s", "snapkv:r0.5/f512/s", "kvzap:r0.25/f512/s", "kvzap:r0.5/f512/s"]
     for other in ("tiny-llama", "/models/some folder", "Qwen/Qwen2.5-0.5B-Instruct"):
         assert calibrate.candidates(other, (0.5,)) == ["full", "snapkv:r0.5/f512/s"]
-    for spec in embedded:
+    mixed = calibrate.candidates("tiny-llama", (0.5,), (0.25, 0.125), (4, 2))
+    assert mixed == ["full", "snapkv:r0.5/f512/s", *(f"snapkv:r{r}/s/q{b}" for b in (2, 4) for r in (0.125, 0.25))]
+    for spec in embedded + mixed:
         PolicySpec.parse(spec)  # each a spec the eval runs
 
 
 def test_bad_settings_are_refused_before_the_model_loads(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSNAP_DEFAULTS_DIR", str(tmp_path))
-    for bad in (["--ratios", "1.5"], ["--ratios", "0"], ["--turn1", "2"], ["--lengths", "100"], ["--keys", "1"]):
+    bad_args = (["--ratios", "1.5"], ["--ratios", "0"], ["--turn1", "2"], ["--lengths", "100"], ["--keys", "1"],
+                ["--bits", "3"], ["--mixed-ratios", "1.5"])  # fmt: skip
+    for bad in bad_args:
         with pytest.raises(SystemExit, match="kvsnap calibrate: "):
             cli.main(["calibrate", "--model", "no-such-model-anywhere", *bad])
     assert not list(tmp_path.iterdir())
@@ -59,14 +63,15 @@ def test_a_calibration_is_what_the_engine_and_the_service_then_take(tmp_path, mo
     monkeypatch.setenv("KVSNAP_DEFAULTS_DIR", str(tmp_path))
     model = "tiny-llama"
     assert defaults.defaults_of(model)[0] == defaults.GENERIC  # never calibrated
-    args = ["--lengths", "1024", "--seeds", "1", "--keys", "2", "--ratios", "0.5,0.25"]
-    assert cli.main(["calibrate", "--model", model, *args]) == 0
+    args = ["--lengths", "1024", "--seeds", "1", "--keys", "2", "--ratios", "0.5,0.25", "--mixed-ratios", "0.125"]
+    assert cli.main(["calibrate", "--model", model, *args, "--bits", "4"]) == 0
     path = defaults.calibrated_path(model)
     result = json.loads(path.read_text())
     assert path.parent == tmp_path and result["model"] == model and result["weights"] == "tiny-llama-seed0"
     held = {r["policy"]: r["bytes_x_full"] for r in result["table"]}
     # measured from the sessions: a quarter of a 1K document's rows is under the floor of 512
     assert held["full"] == 1.0 and held["snapkv:r0.25/f512/s"] < held["snapkv:r0.5/f512/s"] < 0.9, held
+    assert 0.125 < held["snapkv:r0.125/s/q4"] < 0.6, held  # an eighth bf16, the rest at 4 bits (with scales)
     assert list(held.values()) == sorted(held.values())  # the table: least bytes first
     holding = [r for r in result["table"] if r["holds"]]
     assert result["policy"] == min(holding, key=lambda r: r["bytes_x_full"])["policy"]
