@@ -9,6 +9,7 @@ import torch
 
 from kvsnap.engine import Engine, SamplingParams
 from kvsnap.engine.cache import export_kv
+from kvsnap.engine.cold import export_cold
 from kvsnap.engine.prefixes import PrefixCache, root_key, window_queries
 from kvsnap.engine.turn import Turn
 from kvsnap.policies import make_policy
@@ -20,8 +21,8 @@ DOCUMENT = random_tokens(50, seed=41)  # three blocks of 16 and two tokens
 QUESTIONS = [random_tokens(n, seed=50 + n) for n in (9, 12, 20)]
 
 
-def snapkv():
-    return make_policy("snapkv", budget=24, window=8)
+def snapkv(rest: str = "drop"):
+    return make_policy("snapkv", budget=24, window=8, rest=rest)
 
 
 @pytest.fixture
@@ -38,17 +39,24 @@ def opened(engine: Engine, tokens: list[int], scope: str | None = "acme", policy
 
 def assert_same_cache(a, b) -> None:
     ka, kb = export_kv(a.cache), export_kv(b.cache)
+    cold_a, cold_b = export_cold(a.cache), export_cold(b.cache)  # a mixed-precision session's quantized rows
+    assert (cold_a is None) == (cold_b is None)
+    if cold_a is not None:
+        assert cold_a[1] == cold_b[1]
+        ka, kb = ka + cold_a[0], kb + cold_b[0]
     assert len(ka) == len(kb)
     for x, y in zip(ka, kb, strict=True):
         assert x.shape == y.shape and torch.equal(x, y)
 
 
-def test_a_session_started_from_a_shared_prefix_is_the_one_that_prefilled_alone(sharing, tiny_engine):
+@pytest.mark.parametrize("rest", ["drop", "kivi4"])  # kivi4: the rows left out quantized (copied in first)
+def test_a_session_started_from_a_shared_prefix_is_the_one_that_prefilled_alone(sharing, tiny_engine, rest):
     opened(sharing, DOCUMENT + QUESTIONS[0])  # adds blocks 0-2 of the document (and no more)
     assert sharing.prefixes.stats()["blocks"] == 3
     for q in QUESTIONS[1:]:
-        shared, got = opened(sharing, DOCUMENT + q)
-        alone, want = opened(tiny_engine, DOCUMENT + q, scope=None)
+        shared, got = opened(sharing, DOCUMENT + q, policy=snapkv(rest))
+        alone, want = opened(tiny_engine, DOCUMENT + q, scope=None, policy=snapkv(rest))
+        assert (export_cold(shared.cache) is None) == (rest == "drop")
         assert got.report.cached_tokens == 48 and want.report.cached_tokens == 0
         assert got.report.prompt_tokens == want.report.prompt_tokens == len(DOCUMENT + q)
         assert got.tokens == want.tokens
