@@ -7,26 +7,30 @@ weight once at load (``torch.ops.mkldnn._reorder_linear_weight``, what inductor'
 does) and calling ``torch.ops.mkldnn._linear_pointwise`` makes 8-row products 1.5-1.9x faster
 here, and 1,024-row ones no slower (docs/BENCHMARKS.md, "Packed linear weights").
 
-The results are bit-equal to ``F.linear``'s for any number of rows (tests/engine/models/test_packed_linears.py), so
-no exactness invariant changes. The module keeps its weight (code that reads it, such as
-KVzip+'s output-projection norms, sees the same tensor); the packed copy is extra memory, the
-bytes :func:`pack_linears` returns. Weights are frozen once packed: this is for inference.
-The LM head is left alone (engine/models/head.py reads its weight itself), and so is every float32,
-fp16 or CUDA layer.
+The results are bit-equal to ``F.linear``'s for any number of rows
+(tests/engine/models/test_packed_linears.py), so no exactness invariant changes; on a CPU with
+AMX, at some row counts past the tiles' (333 of SmolLM2's projections), oneDNN's AMX kernels on
+the packed layout round otherwise, within a bf16 step. The module keeps its weight (code that
+reads it, such as KVzip+'s output-projection norms, sees the same tensor); the packed copy is
+extra memory, the bytes :func:`pack_linears` returns. Weights are frozen once packed: this is for
+inference. The LM head is left alone (engine/models/head.py reads its weight itself), and so is
+every float32, fp16 or CUDA layer.
 
 On a CPU with AMX, a product of at most :data:`AMX_MAX_ROWS` rows (a decode step's) with a
-weight of the right shape runs cpu_kernels/linear_tiles.py's kernel on the module's own weight instead:
-oneDNN's bits, at memory speed.
+weight of the right shape and no bias runs cpu_kernels/linear_tiles.py's kernel on the module's own
+weight instead: oneDNN's bits, at memory speed (a bias added after the kernel would round twice).
 
 Projections of one input that are always called together (a Llama layer's query, key and value
-projections in engine/models/lean.py; a gated MLP's gate and up projections in engine/models/fused.py) are
-packed as one weight, their rows stacked (:func:`group`): one oneDNN call per layer instead of
-three (or two), with each output's bits unchanged (every output is the same sum over the same
-input; tests/engine/models/test_packed_linears.py checks each row count). On a CPU without AMX a decode step's weights
-stream from memory, and one call streams them faster than three: SmolLM2's 30 layers of 8-row
-products take about 12 ms grouped and 19 ms apart here (docs/BENCHMARKS.md, "Grouped
-projections"). A grouped module keeps no packed copy of its own (no more memory than before): called
-alone (transformers' layer, which a capture of the attention input takes) it is ``F.linear``.
+projections in engine/models/lean.py; a gated MLP's gate and up projections in
+engine/models/fused.py) are packed as one weight, their rows stacked (:func:`group`; not on a CPU
+with AMX, whose tiles take the few-row products): one oneDNN call per layer instead of three (or
+two), with each output's bits unchanged (every output is the same sum over the same input;
+tests/engine/models/test_packed_linears.py checks each row count). On a CPU without AMX a decode
+step's weights stream from memory, and one call streams them faster than three: SmolLM2's 30
+layers of 8-row products take about 12 ms grouped and 19 ms apart here (docs/BENCHMARKS.md,
+"Grouped projections"). A grouped module keeps no packed copy of its own (no more memory than
+before): called alone (transformers' layer, which a capture of the attention input takes) it is
+``F.linear``.
 
 On a CPU with AVX-512 BF16 and no AMX, the single-token rows of a packed step (its decoding
 sessions, and a prompt's one-token chunk) run cpu_kernels/linear_vectors.py's kernel on a second copy of
@@ -122,9 +126,8 @@ def _with_few_rows(modules: tuple[nn.Linear, ...], x: torch.Tensor, rest) -> lis
 
 
 def _biased(modules: tuple[nn.Linear, ...], outs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The kernels' products (which take no bias) with each module's bias added, where it has one
-    (Qwen2's query, key and value projections): one pass over a few rows, rounded to bf16 twice
-    where oneDNN adds it before its one rounding (within one bf16 step of its bits)."""
+    """The vector kernel's products (which take no bias; their bits are their own anyway) with
+    each module's bias added, where it has one (Qwen2's query, key and value projections)."""
     return [out if m.bias is None else out.add_(m.bias) for m, out in zip(modules, outs, strict=True)]
 
 
@@ -172,7 +175,7 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _product_of(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed = _PACKED.get(self)
     if x.dtype == torch.bfloat16 and self in _AMX and _few_rows(x):
-        return _biased((self,), [linear_tiles.linear(x, self.weight)])[0]
+        return linear_tiles.linear(x, self.weight)  # an AMX module has no bias
     if packed is None or x.dtype != torch.bfloat16:  # a copy, a grouped module, another dtype: the plain product
         return nn.Linear.forward(self, x)
     return product(x, packed, self.bias)
@@ -185,7 +188,7 @@ def products(modules: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tens
     :func:`group` (the outputs are views of its columns), else each module's own; the same bits
     every way."""
     if all(m in _AMX for m in modules) and _few_rows(x):
-        return _biased(modules, linear_tiles.linears(x, [m.weight for m in modules]))
+        return linear_tiles.linears(x, [m.weight for m in modules])
     return _with_few_rows(modules, x, lambda rows: _onednn_products(modules, rows))
 
 
@@ -211,8 +214,13 @@ def group(modules: tuple[nn.Linear, ...]) -> bool:
     """Pack ``modules`` (projections of one input, each packed by :func:`pack_linears`; for
     callers that take their products together through :func:`products`) as one stacked weight,
     in place of their own packed copies. False (nothing changes) unless every one is packed
-    alone, and all or none of them have a bias."""
+    alone, and all or none of them have a bias; and where they take the AMX tiles, whose few-row
+    products are one pass over every weight already: there oneDNN's AMX kernels sum a stacked
+    weight in another order at some row counts (SmolLM2's query, key and value at 200-333 rows),
+    so a group would not keep each output's bits."""
     if not all(m in _PACKED for m in modules) or len({m.bias is None for m in modules}) != 1:
+        return False
+    if any(linear_tiles.takes(m.weight) for m in modules):
         return False
     _WANTED[modules[0]] = tuple(weakref.ref(m) for m in modules)
     with torch.no_grad():
@@ -248,7 +256,7 @@ def pack_linears(model: nn.Module) -> int:
             _PACKED[module] = pack(module.weight)
         module.forward = types.MethodType(_packed_forward, module)
         added += module.weight.numel() * module.weight.element_size()
-        if linear_tiles.takes(module.weight):
+        if module.bias is None and linear_tiles.takes(module.weight):  # oneDNN's bits: its bias is fused
             _AMX.add(module)
         elif linear_vectors.takes(module.weight):
             _FEW[module] = linear_vectors.repack(module.weight)  # a second copy: counted
