@@ -314,6 +314,16 @@ def function(name: str, restype, argtypes: list, variant: str | None = None):
 _functions: dict[tuple[str, str], object] = {}
 
 
+def run_on_team(fn, *args, what: str) -> None:
+    """Call the kernel ``fn`` with ``args`` and, last, the calling thread's team size (torch's
+    OpenMP threads: engine/threads.py); MemoryError naming ``what`` when it returns non-zero (it
+    could not allocate its work space)."""
+    import torch  # the build itself needs no torch; the kernels it loads work on torch's tensors
+
+    if fn(*args, torch.get_num_threads()):
+        raise MemoryError(f"{what} could not allocate its work space")
+
+
 def main() -> int:
     """``python -m kvsnap.cpu_kernels``: build every variant now (install, a node's setup,
     ``make lint``). Fails where the variant this CPU would run does not build (with

@@ -89,7 +89,8 @@ def attention(
     paged = (None, None, 0, 1)  # no shared rows: every row at keys / values
     if shared is not None:  # per block, its keys' and its values' address
         paged = (shared.keys.data_ptr(), shared.values.data_ptr(), shared.rows, shared.block)
-    failed = _fn(variant)(
+    build.run_on_team(
+        _fn(variant),
         query.data_ptr(),
         query.stride(1),
         query.stride(2),
@@ -106,8 +107,6 @@ def attention(
         window or 0,
         scale,
         out.data_ptr(),
-        torch.get_num_threads(),
+        what="the chunk attention kernel",
     )
-    if failed:
-        raise MemoryError("the chunk attention kernel could not allocate its work space")
     return out

@@ -80,7 +80,8 @@ def one_token_rows(queries, keys, values, colds, scale: float) -> list[torch.Ten
     out = torch.empty(n * heads, dim)
     flat = [seg for segs in colds for seg in segs]
     ptrs, longs = ctypes.c_void_p * n, ctypes.c_long * n
-    failed = _rows()(
+    build.run_on_team(
+        _rows(),
         n,
         q.data_ptr(),
         ptrs(*(k.data_ptr() for k in keys)),
@@ -95,10 +96,8 @@ def one_token_rows(queries, keys, values, colds, scale: float) -> list[torch.Ten
         dim,
         scale,
         out.data_ptr(),
-        torch.get_num_threads(),
+        what="the attention kernel",
     )
-    if failed:
-        raise MemoryError("the attention kernel could not allocate its work space")
     return list(out.to(torch.bfloat16).view(n, 1, 1, heads, dim).unbind(0))
 
 

@@ -82,7 +82,8 @@ def attend(queries: torch.Tensor, rows: list[tuple], kv_heads: int, scale: float
     ptrs = ctypes.c_void_p * n
     longs = ctypes.c_long * n
     k_ptr, v_ptr, lengths, k_strides, v_strides = zip(*rows, strict=True)
-    failed = _rows()(
+    build.run_on_team(
+        _rows(),
         n,
         q.data_ptr(),
         ptrs(*k_ptr),
@@ -95,10 +96,8 @@ def attend(queries: torch.Tensor, rows: list[tuple], kv_heads: int, scale: float
         dim,
         scale,
         out.data_ptr(),
-        torch.get_num_threads(),  # the calling thread's team (the model thread's: engine/threads.py)
+        what="the attention kernel",
     )
-    if failed:
-        raise MemoryError("the attention kernel could not allocate its work space")
     return out.to(torch.bfloat16)
 
 

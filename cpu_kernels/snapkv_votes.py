@@ -63,7 +63,8 @@ def votes(window_queries: torch.Tensor, keys: torch.Tensor, scale: float, shared
     if shared is not None:
         paged, length = (shared.keys.data_ptr(), shared.rows, shared.block), length + shared.rows
     out = torch.empty(heads, length - w, dtype=torch.float32)
-    failed = _fn()(
+    build.run_on_team(
+        _fn(),
         window_queries.data_ptr(),
         window_queries.stride(1),
         window_queries.stride(2),
@@ -77,8 +78,6 @@ def votes(window_queries: torch.Tensor, keys: torch.Tensor, scale: float, shared
         w,
         scale,
         out.data_ptr(),
-        torch.get_num_threads(),
+        what="the votes kernel",
     )
-    if failed:
-        raise MemoryError("the votes kernel could not allocate its work space")
     return out.view(1, kv_heads, heads // kv_heads, length - w)

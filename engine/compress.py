@@ -61,6 +61,7 @@ class Compression:
     def _compress(self, session: Session, captured: WindowCapture, new: list[int]) -> None:
         """Apply the session policy to every full-attention layer (the window = this turn's tail;
         a scored policy rates the turn's ``new`` rows by its own signal, see policies/scored.py)."""
+        rest = rest_kivi(session.policy)  # the rows left out: dropped (None) or quantized by it
         scored = scored_policy(session.policy)
         if scored is not None:
             if scored.scored_by == "hidden":
@@ -72,7 +73,7 @@ class Compression:
                 layer: CompressedLayer = session.cache.layers[idx]
                 positions = scored.keep_scored(layer_scores.to(layer.keys.device), layer.kept_len, spans=spans)
                 if positions.shape[-1] < layer.kept_len:
-                    layer.keep(positions, rest_kivi(session.policy))
+                    layer.keep(positions, rest)
             return
         by_old: dict[int, torch.Tensor | None] = {}  # span ids by rows kept from earlier turns
         for idx in captured.layers:
@@ -87,7 +88,7 @@ class Compression:
                 captured.queries[idx], keys, scale, logical_len=session.logical_len, spans=spans
             )
             if positions.shape[-1] < layer.kept_len:
-                layer.keep(positions, rest_kivi(session.policy))  # the rest dropped, or quantized
+                layer.keep(positions, rest)
 
     @torch.inference_mode()
     def _reconstruction_scores(self, session: Session, context: list[int]) -> dict[int, torch.Tensor]:
