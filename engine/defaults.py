@@ -2,8 +2,9 @@
 
 The numbers come from ``kvsnap eval --tasks facts`` (documents of 2K-4K tokens in varied prose
 stating facts once, asked one per turn over the chat template) swept against full KV on both
-embedded models; docs/BENCHMARKS.md ("Fact retrieval: the defaults") has the sweep, the
-command and why each default won. Any other model gets the defaults ``kvsnap calibrate``
+embedded models; docs/POLICIES.md ("Defaults, measured per model") has the sweep and why each
+default won, docs/BENCHMARKS.md ("The two embedded models on the fact task") the latest run.
+Any other model gets the defaults ``kvsnap calibrate``
 measured for it on this machine (a file in :func:`calibrated_dir`), or ``GENERIC`` where it was
 never calibrated.
 

@@ -11,7 +11,7 @@ alone: its cache, its compression and its answer are those of a session that pre
 everything, bit for bit, and a replay of its log (which prefills from the start) rebuilds it
 exactly. In bfloat16 on a CPU no such guarantee exists to keep: oneDNN picks its kernels by
 the number of rows in a product, so a row's result already depends, in its last bits, on the
-rows that share its step (docs/BENCHMARKS.md, "Blocks smaller than a 1,024-token chunk"); there a block is
+rows that share its step (docs/BENCHMARKS.md, "Blocks of 16 tokens"); there a block is
 :data:`FINE_BLOCK` tokens, and a later session starts from all but the last few tokens of a
 shared document (16, vLLM's block), its cache equal to one that prefilled alone within
 the dtype's rounding.

@@ -110,7 +110,7 @@ def resolve_dtype(choice: str | torch.dtype | None, device: torch.device, *, tin
     ``auto`` (and None, the default) is :func:`fast_dtype`, except for the tiny test presets:
     float32, the dtype whose exactness invariants the tests hold at tight tolerances (they ask
     for bfloat16 by name). The models' measured defaults answer in bfloat16 as in float32
-    (docs/BENCHMARKS.md, "Fact retrieval: the defaults")."""
+    (docs/BENCHMARKS.md, "The two embedded models on the fact task")."""
     if isinstance(choice, torch.dtype):
         if choice not in DTYPES.values():
             raise InvalidArgument(f"dtype {choice} is not supported; choose one of {', '.join(DTYPE_CHOICES)}")

@@ -1,7 +1,7 @@
 """The bar the defaults must hold, on both embedded models: ``kvsnap eval --tasks facts`` in
 small (one 2K-token document per fact kind asked first, four facts each stated once, asked one
-per turn over the chat template), the model's defaults against full KV. docs/BENCHMARKS.md
-("Fact retrieval: the defaults") has the full sweep these defaults were chosen from.
+per turn over the chat template), the model's defaults against full KV. docs/POLICIES.md
+("Defaults, measured per model") has the sweep these defaults were chosen from.
 
 The bar is the issue's, as a share of what full KV answers on the same documents: 0.95 x on the
 first question (``TURN1_FLOOR``), 0.9 x on follow-ups (``FOLLOW_UP_FLOOR``), and the share of full
@@ -11,7 +11,7 @@ follow-ups at 0.77 x full KV's bytes; SmolLM2 3 / 3 and 11 of full KV's 12 at 0.
 and float32 (whatever the machine's default dtype): the answers are deterministic and exact
 arithmetic's, so a default that slips below the bar fails here, every run. In bf16 the kernels'
 summation orders move answers at the margin of a four-document sample either way (BENCHMARKS,
-"Fact retrieval: the defaults", "The defaults with the bf16 kernels", measures them there on 16
+"The two embedded models on the fact task", measures them there on 16
 documents).
 """
 
